@@ -1,0 +1,1 @@
+"""vlmrl: GRPO-family RL for vision-language models."""

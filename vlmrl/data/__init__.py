@@ -1,0 +1,1 @@
+"""The data pipeline: image-aware prompt datasets and their resumable loader."""

@@ -1,0 +1,1 @@
+"""Reward functions loaded from user code, and the managers that run them."""

@@ -1,0 +1,172 @@
+"""One training worker: the FSDP2 actor and its optimizer, the frozen reference
+model, and an in-process vLLM engine, all in one Ray actor process.
+
+The driver calls these methods through ``WorkerGroup``; each call works on
+this worker's shard of the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.config import Config
+from vlmrl.plan import Plan
+from vlmrl.protocol import Batch, PromptSample
+from vlmrl.workers import actor as actor_passes
+from vlmrl.workers.batching import build_batch
+from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
+from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _load_sharded(model_path: str, dtype: torch.dtype, mesh, trust_remote_code: bool) -> torch.nn.Module:
+    """Load a HF VLM and shard it with FSDP2, one unit per decoder layer and vision block."""
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class FSDPWorker:
+    def __init__(self, config: Config, plan: Plan, rank: int, master_port: int):
+        self.config, self.plan, self.rank = config, plan, rank
+        actor_cfg, rollout_cfg = config.worker.actor, config.worker.rollout
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(master_port)
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=timedelta(minutes=30),
+        )
+        mesh = init_device_mesh(device, (plan.world_size,))
+        torch.manual_seed(config.data.seed + rank)
+
+        model_path = actor_cfg.model.model_path
+        self.processor = AutoProcessor.from_pretrained(actor_cfg.model.tokenizer_path or model_path)
+        self.tokenizer = self.processor.tokenizer
+        dtype = _dtype(actor_cfg.fsdp.torch_dtype.value)
+        trust = actor_cfg.model.trust_remote_code
+        self.actor = _load_sharded(model_path, dtype, mesh, trust)
+        if actor_cfg.model.freeze_vision_tower:
+            for p in self.actor.model.visual.parameters():
+                p.requires_grad_(False)
+        if actor_cfg.model.enable_gradient_checkpointing:
+            self.actor.gradient_checkpointing_enable()
+        optim = actor_cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.actor.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            weight_decay=optim.weight_decay,
+        )
+        self.use_ref = config.algorithm.use_kl_loss and not config.algorithm.disable_kl
+        self.ref = None
+        if self.use_ref:
+            self.ref = _load_sharded(model_path, dtype, mesh, trust)
+            self.ref.eval().requires_grad_(False)
+
+        vocab_size = self.actor.config.get_text_config().vocab_size
+        self.allowed_tokens = sampling_mask(self.tokenizer, vocab_size)
+        self.rollout = VLLMRollout(
+            model_path,
+            dtype=rollout_cfg.dtype.value,
+            seed=rollout_cfg.seed + rank,
+            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+            max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
+            enforce_eager=rollout_cfg.enforce_eager,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            cpu_kvcache_space_gb=rollout_cfg.cpu_kvcache_space_gb,
+            min_pixels=config.data.min_pixels,
+            max_pixels=config.data.max_pixels,
+            max_response_length=config.data.max_response_length,
+            allowed_tokens=self.allowed_tokens,
+        )
+        self.sharding_manager = FSDPVLLMShardingManager(self.actor, self.rollout, _dtype(rollout_cfg.dtype.value))
+        self.update_settings = actor_passes.UpdateSettings(
+            samples_per_update=plan.samples_per_update // plan.world_size,
+            micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
+            ppo_epochs=actor_cfg.ppo_epochs,
+            clip_ratio_low=actor_cfg.clip_ratio_low,
+            clip_ratio_high=actor_cfg.clip_ratio_high,
+            clip_ratio_dual=actor_cfg.clip_ratio_dual,
+            loss_avg_mode=actor_cfg.loss_avg_mode,
+            max_grad_norm=actor_cfg.max_grad_norm,
+            use_kl_loss=self.use_ref,
+            kl_estimator=config.algorithm.kl_penalty,
+            kl_coef=config.algorithm.kl_coef,
+            temperature=rollout_cfg.temperature,
+            max_response_length=config.data.max_response_length,
+        )
+
+    # ---------------------------------------------------------------- rollout
+
+    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
+        generations = self.rollout.generate(prompts, group_ids, sampling)
+        return build_batch(
+            generations,
+            max_prompt_length=self.config.data.max_prompt_length,
+            max_response_length=self.config.data.max_response_length,
+            pad_token_id=self.tokenizer.pad_token_id,
+            model=self.actor,
+        )
+
+    # ------------------------------------------------------------- log-probs
+
+    def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs, entropy)`` of the responses under the current actor, each ``(b, R)``."""
+        self.actor.eval()
+        return actor_passes.compute_log_probs(
+            self.actor,
+            batch,
+            self.config.worker.actor.micro_batch_size_per_device_for_experience,
+            self.config.worker.rollout.temperature,
+            self.allowed_tokens,
+        )
+
+    def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        if self.ref is None:
+            raise RuntimeError("reference log-probs requested but the run has no reference model (KL is off)")
+        log_probs, _ = actor_passes.compute_log_probs(
+            self.ref,
+            batch,
+            self.config.worker.actor.micro_batch_size_per_device_for_experience,
+            self.config.worker.rollout.temperature,
+            self.allowed_tokens,
+        )
+        return log_probs
+
+    # ---------------------------------------------------------------- update
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return actor_passes.update_policy(self.actor, self.optimizer, batch, self.update_settings, self.allowed_tokens)
+
+    def sync_weights(self) -> float:
+        return self.sharding_manager.sync()
+
+    # ------------------------------------------------------------------ save
+
+    def save_hf(self, path: str) -> None:
+        """Write the actor as a HF model directory (with its processor) that vLLM and transformers load."""
+        state = self.sharding_manager.full_state_dict()
+        if self.rank == 0:
+            start = time.perf_counter()
+            self.actor.save_pretrained(path, state_dict=state)
+            self.processor.save_pretrained(path)
+            print(f"saved HF weights to {path} in {time.perf_counter() - start:.1f}s", flush=True)
+        dist.barrier()

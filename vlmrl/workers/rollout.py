@@ -1,0 +1,152 @@
+"""Rollout with an in-process vLLM engine.
+
+The engine lives in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+is set before vLLM is imported) so the sharding manager can hand it the
+actor's weights without IPC.
+
+A randomly initialised (or badly drifting) policy can sample vision special
+tokens; a response holding one breaks the actor's forward ("Image features and
+image tokens do not match"). Those tokens are banned at sampling time, and the
+actor applies the same ban when it computes log-probs, so the policy that is
+trained is exactly the one that sampled.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlmrl.protocol import PromptSample
+
+VISION_SPECIAL_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def sampling_mask(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) bool: the tokens a response may contain.
+
+    Excluded: the vision special tokens, and the embedding rows past the
+    tokenizer's vocabulary (padding rows no text can decode to).
+    """
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    allowed[: min(len(tokenizer), vocab_size)] = True
+    vocab = tokenizer.get_vocab()
+    for token in VISION_SPECIAL_TOKENS:
+        if token in vocab:
+            allowed[vocab[token]] = False
+    return allowed
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """What one generate call may change from the rollout config."""
+
+    n: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    want_log_probs: bool = True
+
+
+@dataclass
+class Generation:
+    """One sampled response, before padding."""
+
+    prompt: PromptSample
+    group_id: int
+    token_ids: list[int]
+    text: str
+    log_probs: list[float] | None
+
+
+class VLLMRollout:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        enforce_eager: bool,
+        gpu_memory_utilization: float,
+        cpu_kvcache_space_gb: int,
+        min_pixels: int,
+        max_pixels: int,
+        max_response_length: int,
+        allowed_tokens: torch.Tensor,
+    ):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        on_cpu = not torch.cuda.is_available()
+        memory: dict[str, Any] = (
+            # On the CPU backend gpu_memory_utilization is a share of host RAM and
+            # is checked against free memory at start; a fixed KV size is safer.
+            {"kv_cache_memory_bytes": cpu_kvcache_space_gb << 30}
+            if on_cpu
+            else {"gpu_memory_utilization": gpu_memory_utilization}
+        )
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            enforce_eager=enforce_eager,
+            # Images arrive already resized to the grid; the same bounds keep
+            # vLLM's processor from resizing them again.
+            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            **memory,
+        )
+        self.max_response_length = max_response_length
+        self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
+
+    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> list[Generation]:
+        """n responses per prompt, in prompt order, each tagged with its prompt's group id."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=self.max_response_length,
+            logprobs=0 if sampling.want_log_probs else None,
+            allowed_token_ids=self.allowed_token_ids,
+        )
+        requests = [
+            {"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}}
+            if p.images
+            else {"prompt_token_ids": p.raw_prompt_ids}
+            for p in prompts
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        generations = []
+        for prompt, group_id, output in zip(prompts, group_ids, outputs):
+            for completion in output.outputs:
+                token_ids = list(completion.token_ids)
+                log_probs = None
+                if sampling.want_log_probs:
+                    log_probs = [step[t].logprob for step, t in zip(completion.logprobs, token_ids)]
+                generations.append(Generation(prompt, group_id, token_ids, completion.text, log_probs))
+        return generations
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights and drop every cache computed with the old ones."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        # The encoder cache holds image embeddings from the old vision tower; a
+        # stale entry also makes the next multimodal request fail.
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.llm_engine.reset_mm_cache()
+        self.llm.reset_prefix_cache()

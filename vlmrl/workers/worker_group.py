@@ -1,0 +1,84 @@
+"""The driver's handle on the FSDP workers.
+
+Each method visibly splits its input over the workers, calls ``.remote()`` on
+each one and joins the results; there is no generated method and no dispatch
+decorator. Worker ``i`` always gets the ``i``-th contiguous chunk, and results
+come back in the same order, so the batch order is preserved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import ray
+import torch
+
+from vlmrl.config import Config
+from vlmrl.plan import Plan
+from vlmrl.protocol import Batch, PromptSample
+from vlmrl.workers.rollout import SamplingOverrides
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chunks(items: list, parts: int) -> list[list]:
+    if len(items) % parts:
+        raise ValueError(f"{len(items)} items do not split evenly over {parts} workers")
+    size = len(items) // parts
+    return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+class WorkerGroup:
+    def __init__(self, config: Config, plan: Plan):
+        from vlmrl.workers.fsdp_worker import FSDPWorker
+
+        self.world_size = plan.world_size
+        port = _free_port()
+        # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
+        # heavy passes while the other actors wait, so it gets its share of cores.
+        threads = str(max(1, (os.cpu_count() or 1) // plan.world_size))
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        remote_cls = ray.remote(FSDPWorker)
+        self.workers = [
+            remote_cls.options(num_cpus=1, runtime_env={"env_vars": env}, name=f"fsdp_worker_{rank}").remote(
+                config, plan, rank, port
+            )
+            for rank in range(plan.world_size)
+        ]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    def _scatter(self, batch: Batch) -> list[Batch]:
+        # The workers already hold the pixels (mm_inputs); the PIL images are only for logging.
+        slim = dataclasses.replace(batch, images=[])
+        return [slim.select(idx) for idx in _chunks(list(range(len(batch))), self.world_size)]
+
+    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
+        prompt_parts, id_parts = _chunks(prompts, self.world_size), _chunks(group_ids, self.world_size)
+        refs = [w.generate.remote(p, g, sampling) for w, p, g in zip(self.workers, prompt_parts, id_parts)]
+        return Batch.concat(ray.get(refs))
+
+    def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        refs = [w.compute_old_log_probs.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
+        results = ray.get(refs)
+        return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+    def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        refs = [w.compute_ref_log_probs.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
+        return torch.cat(ray.get(refs))
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        refs = [w.update_actor.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
+        results = ray.get(refs)
+        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+
+    def sync_weights(self) -> float:
+        return max(ray.get([w.sync_weights.remote() for w in self.workers]))
+
+    def save_hf(self, path: str) -> None:
+        ray.get([w.save_hf.remote(path) for w in self.workers])
