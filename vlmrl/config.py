@@ -206,6 +206,24 @@ class Config:
 # ---------------------------------------------------------------- loading
 
 
+def _tiny_asset(name: str) -> str:
+    """``${tiny:model_dir}`` / ``${tiny:train_file}`` / ``${tiny:val_file}`` in a YAML.
+
+    Builds the tiny random Qwen2.5-VL and its synthetic data on first use (into
+    $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl), so the CPU quickstart runs on a
+    machine with no model hub.
+    """
+    from vlmrl.testing.assets import TinyAssets, ensure_tiny_assets
+
+    fields = [f.name for f in dataclasses.fields(TinyAssets)]
+    if name not in fields:
+        raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(fields)}"])
+    return str(getattr(ensure_tiny_assets(), name))
+
+
+OmegaConf.register_resolver("tiny", _tiny_asset, replace=True)
+
+
 def load_config(cli_args: list[str]) -> Config:
     """Build the config from ``config=<yaml>`` and ``key=value`` arguments.
 

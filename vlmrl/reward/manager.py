@@ -9,6 +9,7 @@ process or share its memory.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -39,6 +40,16 @@ def _collect(scores: list[dict[str, float]]) -> RewardResult:
     return [s["overall"] for s in scores], {k: [s.get(k, 0.0) for s in scores] for k in keys}
 
 
+def check_kwargs(fn, spec: str, kwargs: dict[str, Any]) -> None:
+    """Fail at start-up, not at the first step, when the kwargs do not fit the function."""
+    try:
+        inspect.signature(fn).bind(None, **kwargs)
+    except TypeError as e:
+        raise RewardFunctionError(
+            f"worker.reward.reward_function_kwargs={kwargs} do not fit {spec}{inspect.signature(fn)}: {e}"
+        ) from e
+
+
 class FunctionRewardManager:
     reward_type: RewardManagerType
 
@@ -46,6 +57,7 @@ class FunctionRewardManager:
         self.spec = spec
         self.kwargs = dict(kwargs)
         self.fn, _ = load_reward_function(spec)
+        check_kwargs(self.fn, spec, self.kwargs)
 
     def compute(self, inputs: list[dict]) -> RewardResult:
         raise NotImplementedError
