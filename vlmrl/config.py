@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from vlmrl.plan import world_size
 from vlmrl.trainer.core_algos import AdvantageEstimator, KLEstimator, LossAvgMode
 
 
@@ -395,13 +396,15 @@ def validate(config: Config) -> list[str]:
                 f"worker.actor.global_batch_size={actor.global_batch_size}: each step's prompts must split into "
                 "whole update mini-batches"
             )
+    if config.trainer.nnodes > 1:
+        problems.append(
+            f"trainer.nnodes={config.trainer.nnodes}: multi-node runs are not supported yet; use trainer.nnodes=1"
+        )
     problems.extend(_check_world_divisibility(config))
     return problems
 
 
 def _check_world_divisibility(config: Config) -> list[str]:
-    from vlmrl.plan import world_size
-
     problems = []
     world = world_size(config)
     actor, n = config.worker.actor, config.worker.rollout.n

@@ -29,15 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            # A local cluster: loopback only, no dashboard. Logical CPUs cover
-            # every actor the run places even on a 2-core machine; the workers
-            # set their own thread counts.
+            # A local cluster with no dashboard. Logical CPUs cover every actor
+            # the run places even on a 2-core machine; the workers set their own
+            # thread counts.
             needed = plan.world_size + config.worker.reward.num_cpus
-            ray.init(
-                num_cpus=max(os.cpu_count() or 1, needed),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-            )
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     runner = ray.remote(Runner).options(num_cpus=0).remote()
     ray.get(runner.run.remote(config, plan))
     return 0

@@ -7,7 +7,6 @@ this worker's shard of the batch.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 
@@ -42,14 +41,13 @@ def _load_sharded(model_path: str, dtype: torch.dtype, mesh, trust_remote_code: 
 
 
 class FSDPWorker:
-    def __init__(self, config: Config, plan: Plan, rank: int, master_port: int):
+    def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
         self.config, self.plan, self.rank = config, plan, rank
         actor_cfg, rollout_cfg = config.worker.actor, config.worker.rollout
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(master_port)
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo",
+            init_method=init_method,
             rank=rank,
             world_size=plan.world_size,
             timeout=timedelta(minutes=30),

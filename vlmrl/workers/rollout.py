@@ -13,6 +13,7 @@ trained is exactly the one that sampled.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,9 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             **memory,
         )
+        # vLLM's CPU worker forbids torch.set_num_threads after it binds threads and
+        # warns at every multimodal request that tries; the warnings carry no news.
+        logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         self.max_response_length = max_response_length
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
 

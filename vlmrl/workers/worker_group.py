@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
+import tempfile
+from pathlib import Path
 
 import ray
 import torch
@@ -21,10 +22,16 @@ from vlmrl.protocol import Batch, PromptSample
 from vlmrl.workers.rollout import SamplingOverrides
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(nnodes: int) -> tuple[str, dict[str, str]]:
+    """How the workers find each other, and the env that keeps them on loopback.
+
+    On one node a file rendezvous needs no listening socket, and gloo is told
+    to use the loopback interface.
+    """
+    # Config validation rejects nnodes > 1 until multi-node rendezvous exists.
+    assert nnodes == 1, nnodes
+    path = Path(tempfile.mkdtemp(prefix="vlmrl-rendezvous-")) / "store"
+    return f"file://{path}", {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def _chunks(items: list, parts: int) -> list[list]:
@@ -39,15 +46,20 @@ class WorkerGroup:
         from vlmrl.workers.fsdp_worker import FSDPWorker
 
         self.world_size = plan.world_size
-        port = _free_port()
+        init_method, rendezvous_env = _rendezvous(config.trainer.nnodes)
         # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
         # heavy passes while the other actors wait, so it gets its share of cores.
         threads = str(max(1, (os.cpu_count() or 1) // plan.world_size))
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "OMP_NUM_THREADS": threads,
+            "TOKENIZERS_PARALLELISM": "false",
+            **rendezvous_env,
+        }
         remote_cls = ray.remote(FSDPWorker)
         self.workers = [
             remote_cls.options(num_cpus=1, runtime_env={"env_vars": env}, name=f"fsdp_worker_{rank}").remote(
-                config, plan, rank, port
+                config, plan, rank, init_method
             )
             for rank in range(plan.world_size)
         ]
