@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from vlmrl.plan import world_size
 from vlmrl.trainer.core_algos import AdvantageEstimator, KLEstimator, LossAvgMode
@@ -152,8 +154,9 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     cpu_kvcache_space_gb: int = 1
     """KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
-    val_temperature: float = 0.0
-    """Sampling temperature at validation; 0 is greedy."""
+    val_override_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling at validation: one greedy sample per prompt, with these keys
+    (temperature, top_p, top_k, n) overriding that."""
 
 
 @dataclass
@@ -238,16 +241,22 @@ def load_config(cli_args: list[str]) -> Config:
         else:
             overrides.append(arg)
     problems: list[str] = []
-    merged = OmegaConf.create({})
-    if yaml_path is not None:
-        if not Path(yaml_path).is_file():
-            raise ConfigError([f"config={yaml_path}: no such file"])
-        merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
     for arg in overrides:
         if "=" not in arg:
             problems.append(f"command-line argument {arg!r}: expected key=value (for example trainer.max_steps=3)")
-    merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([a for a in overrides if "=" in a]))
-    raw = OmegaConf.to_container(merged, resolve=True)
+    if yaml_path is not None and not Path(yaml_path).is_file():
+        raise ConfigError([f"config={yaml_path}: no such file", *problems])
+    try:
+        merged = OmegaConf.load(yaml_path) if yaml_path is not None else OmegaConf.create({})
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([a for a in overrides if "=" in a]))
+        raw = OmegaConf.to_container(merged, resolve=True)
+    except ConfigError:
+        raise
+    except (yaml.YAMLError, OmegaConfBaseException, TypeError, ValueError) as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise ConfigError(e.__cause__.problems + problems) from e
+        where = f"config={yaml_path} or the command line" if yaml_path else "the command line"
+        raise ConfigError([f"{where}: {type(e).__name__}: {e}".strip(), *problems]) from e
     config = _build(Config, raw or {}, "", problems)
     problems.extend(validate(config))
     if problems:
@@ -333,6 +342,8 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
 
 # ------------------------------------------------------------- validation
 
+VAL_OVERRIDE_KEYS = {"temperature", "top_p", "top_k", "n"}
+
 
 def validate(config: Config) -> list[str]:
     """Check every invariant that does not need Ray or a model; return all problems."""
@@ -367,8 +378,18 @@ def validate(config: Config) -> list[str]:
     ):
         if value < 1:
             problems.append(f"{key}={value}: must be at least 1")
+    if data.val_batch_size != -1 and data.val_batch_size < 1:
+        problems.append(
+            f"data.val_batch_size={data.val_batch_size}: must be at least 1, or -1 for the whole validation set"
+        )
     if config.trainer.max_steps is not None and config.trainer.max_steps < 1:
         problems.append(f"trainer.max_steps={config.trainer.max_steps}: must be at least 1, or unset")
+    unknown = set(rollout.val_override_config) - VAL_OVERRIDE_KEYS
+    if unknown:
+        problems.append(
+            f"worker.rollout.val_override_config: unknown keys {sorted(unknown)}; "
+            f"valid keys: {', '.join(sorted(VAL_OVERRIDE_KEYS))}"
+        )
     if len(actor.optim.betas) != 2:
         problems.append(f"worker.actor.optim.betas={actor.optim.betas}: give two numbers, e.g. [0.9, 0.999]")
     if data.min_pixels > data.max_pixels:

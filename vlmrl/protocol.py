@@ -112,6 +112,8 @@ class Batch:
             values = [getattr(p, f.name) for p in parts]
             if all(v is None for v in values):
                 out[f.name] = None
+            elif any(v is None for v in values):
+                raise RuntimeError(f"Batch.concat: field {f.name} is filled in some parts and not in others")
             elif isinstance(values[0], torch.Tensor):
                 out[f.name] = torch.cat(values, dim=0)
             elif isinstance(values[0], list):
@@ -119,5 +121,5 @@ class Batch:
             elif isinstance(values[0], dict):
                 out[f.name] = {k: [x for v in values for x in v[k]] for k in values[0]}
             else:
-                raise RuntimeError(f"Batch.concat: field {f.name} is filled in some parts and not in others")
+                raise TypeError(f"Batch.concat: field {f.name} has unexpected type {type(values[0]).__name__}")
         return Batch(**out)

@@ -15,11 +15,28 @@ from typing import Any
 import datasets
 import jinja2
 from PIL import Image
-from qwen_vl_utils import smart_resize
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from vlmrl.protocol import PromptSample
 
 IMAGE_PLACEHOLDER = "<image>"
+
+
+def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) on the processor's grid, within [min_pixels, max_pixels].
+
+    The processor's own smart_resize keeps each side at least one grid cell,
+    which for a very wide or tall image can exceed max_pixels; the long side is
+    then cut back. The result is a fixed point of smart_resize, so vLLM's
+    processor and the actor's see the same grid.
+    """
+    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    if h * w > max_pixels:
+        if h <= w:
+            w = max(factor, max_pixels // h // factor * factor)
+        else:
+            h = max(factor, max_pixels // w // factor * factor)
+    return h, w
 
 
 class DataError(ValueError):
@@ -36,7 +53,17 @@ def load_rows(files: str) -> datasets.Dataset:
         if builder is None:
             raise DataError(f"{path}: unsupported data file type {suffix!r}; use .parquet, .json or .jsonl")
         parts.append(datasets.load_dataset(builder, data_files=path, split="train"))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    first = parts[0]
+    for path, part in zip(paths[1:], parts[1:]):
+        if set(part.column_names) != set(first.column_names):
+            raise DataError(
+                f"{path}: columns {sorted(part.column_names)} differ from {paths[0]}'s {sorted(first.column_names)}; "
+                "files listed together must have the same columns"
+            )
+    # Same columns can still differ in type (a jsonl "string" next to a pandas
+    # parquet "large_string"); align each file to the first one's schema.
+    aligned = [first] + [part.cast(first.features) for part in parts[1:]]
+    return first if len(parts) == 1 else datasets.concatenate_datasets(aligned)
 
 
 class RLHFDataset:
@@ -144,9 +171,10 @@ class RLHFDataset:
             if isinstance(e, DataError):
                 raise
             raise DataError(f"{where}: unreadable image ({e})") from e
-        height, width = smart_resize(
-            image.height, image.width, factor=self.resize_factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
-        )
+        try:
+            height, width = grid_size(image.height, image.width, self.resize_factor, self.min_pixels, self.max_pixels)
+        except ValueError as e:
+            raise DataError(f"{where}: image of {image.width}x{image.height} px cannot be used ({e})") from e
         return image.resize((width, height), Image.Resampling.BICUBIC)
 
     def _render_prompt(self, prompt: str, n_images: int, where: str) -> str:

@@ -30,7 +30,10 @@ def load_reward_function(spec: str) -> tuple[Callable, RewardManagerType | None]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # so pickling by reference (multiprocessing) can find it
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise RewardFunctionError(f"worker.reward.reward_function: {location} failed to load: {e!r}") from e
     else:
         try:
             module = importlib.import_module(location)

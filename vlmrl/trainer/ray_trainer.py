@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from contextlib import contextmanager
@@ -47,7 +48,9 @@ class RayPPOTrainer:
         self.train_sampling = SamplingOverrides(
             n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k
         )
-        self.val_sampling = SamplingOverrides(n=1, temperature=rollout.val_temperature)
+        self.val_sampling = dataclasses.replace(
+            self.train_sampling, **{"n": 1, "temperature": 0.0, **rollout.val_override_config}
+        )
         steps_per_epoch = len(train_loader)
         total = steps_per_epoch * config.trainer.total_epochs
         self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total

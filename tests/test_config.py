@@ -1,0 +1,491 @@
+"""Unit tests of vlmrl.config (loading, validation) and vlmrl.plan (derived numbers).
+
+A config is checked in full before Ray starts: one run lists every problem,
+each naming its key. The plan derives the per-step numbers without writing
+them back into the config.
+"""
+
+import copy
+import dataclasses
+import enum
+import subprocess
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmrl.config import (
+    ActorConfig,
+    Config,
+    ConfigError,
+    RewardManagerType,
+    TrainerConfig,
+    load_config,
+    to_dict,
+    validate,
+)
+from vlmrl.main import main
+from vlmrl.plan import Plan, resolve, world_size
+from vlmrl.trainer.core_algos import AdvantageEstimator
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = "config=examples/quickstart.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch, tiny_assets):
+    # The quickstart names the format prompt and reward function relative to the repo root,
+    # and resolves ${tiny:...} to the shared tiny assets.
+    monkeypatch.chdir(REPO)
+
+
+def problems_of(*args: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(list(args))
+    return info.value.problems
+
+
+def get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def assert_one_problem_each(problems: list[str], expected: list[str]) -> None:
+    """Exactly one problem per expected substring, and no other problem."""
+    assert len(problems) == len(expected), problems
+    for text in expected:
+        assert sum(text in p for p in problems) == 1, (text, problems)
+
+
+# --------------------------------------------------------------------------- loading and layering
+
+
+def test_quickstart_loads_with_its_values_and_tiny_assets(tiny_assets):
+    config = load_config([QUICKSTART])
+    assert config.data.train_files == str(tiny_assets.train_file)
+    assert config.data.val_files == str(tiny_assets.val_file)
+    assert config.worker.actor.model.model_path == str(tiny_assets.model_dir)
+    assert config.worker.rollout.n == 8
+    assert config.algorithm.kl_coef == pytest.approx(1e-3)
+    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.1}
+
+
+def test_yaml_beats_defaults_and_cli_beats_yaml():
+    defaults = Config()
+    config = load_config([QUICKSTART, "trainer.max_steps=3", "worker.rollout.temperature=0.5"])
+    assert config.data.rollout_batch_size == 16 != defaults.data.rollout_batch_size  # from YAML
+    assert config.trainer.max_steps == 3  # CLI over YAML's 20
+    assert config.worker.rollout.temperature == 0.5  # CLI over YAML's 1.0
+    assert config.worker.actor.ppo_epochs == defaults.worker.actor.ppo_epochs  # in neither: default
+
+
+def test_cli_override_wins_even_when_written_before_config():
+    assert load_config(["trainer.max_steps=4", QUICKSTART]).trainer.max_steps == 4
+
+
+def test_cli_merges_into_a_yaml_mapping_instead_of_replacing_it():
+    config = load_config([QUICKSTART, "worker.reward.reward_function_kwargs.extra=2"])
+    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.1, "extra": 2}
+
+
+def test_cli_values_are_typed_like_yaml():
+    config = load_config(
+        [
+            QUICKSTART,
+            "worker.actor.optim.lr=1e-3",  # float written without a dot
+            "worker.actor.optim.betas=[0.9,0.99]",
+            "trainer.max_steps=null",
+            "trainer.experiment_name=123",  # a str field takes a number as text
+            "algorithm.kl_coef=1",  # an int for a float field
+        ]
+    )
+    assert config.worker.actor.optim.lr == pytest.approx(1e-3)
+    assert config.worker.actor.optim.betas == [0.9, 0.99]
+    assert config.trainer.max_steps is None
+    assert config.trainer.experiment_name == "123"
+    assert config.algorithm.kl_coef == 1.0 and isinstance(config.algorithm.kl_coef, float)
+
+
+def test_missing_yaml_file_is_a_config_error():
+    assert problems_of("config=examples/nope.yaml") == ["config=examples/nope.yaml: no such file"]
+
+
+def test_a_saved_config_loads_back_equal(tmp_path):
+    # The run writes to_dict(config) next to its outputs; it must be a loadable config.
+    config = load_config([QUICKSTART, "worker.reward.reward_type=batch"])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(yaml.safe_dump(to_dict(config)))
+    assert load_config([f"config={saved}"]) == config
+
+
+# --------------------------------------------------------------------------- all problems at once
+
+
+def test_one_call_reports_every_problem_each_naming_its_key():
+    problems = problems_of(
+        QUICKSTART,
+        "data.shufle=true",  # unknown key
+        "algorithm.adv_estimator=ppo",  # invalid enum value
+        "trainer.total_epochs=two",  # wrong type
+        "data.rollout_batch_size=12",  # not a multiple of global_batch_size=16
+    )
+    assert len(problems) == 4, problems
+    unknown, enum_bad, wrong_type, invariant = (
+        next(p for p in problems if p.startswith(key))
+        for key in ("data.shufle", "algorithm.adv_estimator", "trainer.total_epochs", "data.rollout_batch_size")
+    )
+    assert "unknown key" in unknown and "did you mean data.shuffle?" in unknown
+    assert "'ppo'" in enum_bad and "grpo" in enum_bad and "rloo" in enum_bad
+    assert "expected an integer" in wrong_type
+    assert "12" in invariant and "worker.actor.global_batch_size=16" in invariant
+
+
+def test_config_error_message_lists_every_problem():
+    with pytest.raises(ConfigError) as info:
+        load_config([QUICKSTART, "data.shufle=true", "trainer.total_epochs=two"])
+    message = str(info.value)
+    assert message.startswith("2 problem(s)")
+    for p in info.value.problems:
+        assert p in message
+
+
+def test_unknown_nested_section_suggests_the_right_one():
+    problems = problems_of(QUICKSTART, "worker.actr.lr=1")
+    assert problems == ["worker.actr: unknown key; did you mean worker.actor?"]
+
+
+def test_unknown_key_with_no_close_match_lists_the_valid_keys():
+    (problem,) = problems_of(QUICKSTART, "algorithm.zzzzzz=1")
+    assert problem.startswith("algorithm.zzzzzz: unknown key; valid keys:")
+    for name in (f.name for f in dataclasses.fields(Config().algorithm)):
+        assert name in problem
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.seed=1.5", "data.seed=1.5: expected an integer"),
+        ("data.max_prompt_length=true", "data.max_prompt_length=True: expected an integer"),
+        ("data.shuffle=3", "data.shuffle=3: expected true or false"),
+        ("worker.actor.optim.lr=abc", "worker.actor.optim.lr='abc': expected a number"),
+        ("trainer.logger=console", "trainer.logger: expected a list"),
+        ("worker.reward.reward_function_kwargs=3", "worker.reward.reward_function_kwargs: expected a mapping"),
+        ("worker.actor=3", "worker.actor: expected a mapping"),
+    ],
+)
+def test_wrong_types_are_reported_with_key_and_value(override, expected):
+    problems = problems_of(QUICKSTART, override)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_argument_without_equals_is_reported_with_the_rest():
+    problems = problems_of(QUICKSTART, "trainer.max_steps", "data.shufle=true")
+    assert any("'trainer.max_steps': expected key=value" in p for p in problems)
+    assert any(p.startswith("data.shufle") for p in problems)
+
+
+def test_validate_returns_problems_of_an_empty_config_instead_of_raising():
+    problems = validate(Config())
+    assert any(p.startswith("data.train_files is empty") for p in problems)
+    assert any(p.startswith("worker.actor.model.model_path is empty") for p in problems)
+    assert any(p.startswith("worker.reward.reward_function is empty") for p in problems)
+
+
+def test_missing_paths_are_named():
+    problems = problems_of(
+        QUICKSTART,
+        "data.train_files=/nonexistent/a.parquet,/nonexistent/b.parquet",
+        "worker.actor.model.model_path=/nonexistent/model",
+        "data.format_prompt=/nonexistent/format.jinja",
+    )
+    assert_one_problem_each(
+        problems,
+        [
+            "data.train_files: /nonexistent/a.parquet does not exist",
+            "data.train_files: /nonexistent/b.parquet does not exist",
+            "worker.actor.model.model_path: /nonexistent/model does not exist",
+            "data.format_prompt: /nonexistent/format.jinja does not exist",
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- enums
+
+
+def _enum_fields(cls=Config, prefix=""):
+    """(dotted key, enum class, is_list) for every enum-valued field of the schema."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, is_list = hints[f.name], False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is list:
+            (tp,), is_list = typing.get_args(tp), True
+        if dataclasses.is_dataclass(tp):
+            yield from _enum_fields(tp, f"{prefix}{f.name}.")
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+            yield f"{prefix}{f.name}", tp, is_list
+
+
+ENUM_FIELDS = list(_enum_fields())
+
+
+def test_enum_field_walk_finds_the_known_enum_fields():
+    # Guards the parametrisations below against silently covering nothing.
+    assert {key for key, _, _ in ENUM_FIELDS} >= {
+        "algorithm.adv_estimator",
+        "algorithm.kl_penalty",
+        "worker.actor.loss_avg_mode",
+        "worker.actor.fsdp.torch_dtype",
+        "worker.rollout.dtype",
+        "worker.reward.reward_type",
+        "trainer.logger",
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "member", "is_list"),
+    [(key, m, is_list) for key, cls, is_list in ENUM_FIELDS for m in cls],
+    ids=lambda v: v.value if isinstance(v, enum.Enum) else None,
+)
+def test_every_enum_field_accepts_each_of_its_string_values(key, member, is_list):
+    value = f"[{member.value}]" if is_list else member.value
+    got = get(load_config([QUICKSTART, f"{key}={value}"]), key)
+    if is_list:
+        assert got == [member] and type(got[0]) is type(member)
+    else:
+        assert got is member
+
+
+@pytest.mark.parametrize(("key", "cls", "is_list"), ENUM_FIELDS, ids=[k for k, _, _ in ENUM_FIELDS])
+def test_every_enum_field_rejects_an_unknown_value_listing_the_options(key, cls, is_list):
+    value = "[nope]" if is_list else "nope"
+    (problem,) = problems_of(QUICKSTART, f"{key}={value}")
+    assert problem.startswith(key) and "'nope'" in problem
+    for member in cls:
+        assert member.value in problem
+
+
+def test_adv_estimator_string_becomes_the_enum():
+    config = load_config([QUICKSTART, "algorithm.adv_estimator=grpo"])
+    assert config.algorithm.adv_estimator is AdvantageEstimator.grpo
+    assert load_config([QUICKSTART, "algorithm.adv_estimator=rloo"]).algorithm.adv_estimator is AdvantageEstimator.rloo
+
+
+def test_optional_enum_accepts_null():
+    assert load_config([QUICKSTART, "worker.reward.reward_type=null"]).worker.reward.reward_type is None
+    assert load_config([QUICKSTART, "worker.reward.reward_type=batch"]).worker.reward.reward_type is RewardManagerType.batch
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        pytest.param(
+            ["data.rollout_batch_size=24"],
+            ["data.rollout_batch_size=24 is not a multiple of worker.actor.global_batch_size=16"],
+            id="rollout-not-multiple-of-global",
+        ),
+        pytest.param(
+            # global 16 x n 8 / 1 worker = 128 samples per worker per update; 48 does not divide 128
+            ["worker.actor.micro_batch_size_per_device_for_update=48"],
+            ["worker.actor.micro_batch_size_per_device_for_update=48 does not divide the 128 samples"],
+            id="micro-does-not-divide-per-worker",
+        ),
+        pytest.param(
+            # 2 workers: 16 x 8 / 2 = 64 samples per worker per update, fewer than one micro-batch of 128
+            ["trainer.n_gpus_per_node=2", "worker.actor.micro_batch_size_per_device_for_update=128"],
+            ["worker.actor.micro_batch_size_per_device_for_update=128 does not divide the 64 samples"],
+            id="micro-larger-than-per-worker",
+        ),
+        pytest.param(
+            # 16 x 8 = 128 samples over 3 workers; per worker 128 // 3 = 42, which micro 2 divides
+            ["trainer.n_gpus_per_node=3", "worker.actor.micro_batch_size_per_device_for_update=2"],
+            [
+                "data.rollout_batch_size x worker.rollout.n = 128 samples do not split evenly over 3 worker(s)",
+                "worker.actor.global_batch_size x worker.rollout.n = 128 samples do not split evenly over 3 worker(s)",
+            ],
+            id="samples-do-not-split-over-workers",
+        ),
+        pytest.param(
+            # n=1: 16 per worker, so micro 16 keeps the divisibility check quiet
+            ["worker.rollout.n=1", "worker.actor.micro_batch_size_per_device_for_update=16"],
+            ["worker.rollout.n=1: grpo compares samples within a group, so it needs n >= 2"],
+            id="grpo-needs-n-2",
+        ),
+        pytest.param(
+            ["worker.rollout.n=1", "worker.actor.micro_batch_size_per_device_for_update=16", "algorithm.adv_estimator=rloo"],
+            ["worker.rollout.n=1: rloo compares samples within a group"],
+            id="rloo-needs-n-2",
+        ),
+        pytest.param(
+            ["worker.rollout.n=0"],
+            ["worker.rollout.n=0: must be at least 1", "worker.rollout.n=0: grpo compares"],
+            id="n-zero",
+        ),
+        pytest.param(["worker.actor.ppo_epochs=0"], ["worker.actor.ppo_epochs=0: must be at least 1"], id="ppo-epochs"),
+        pytest.param(["trainer.max_steps=0"], ["trainer.max_steps=0: must be at least 1, or unset"], id="max-steps"),
+        pytest.param(
+            ["data.min_pixels=20000", "data.max_pixels=10000"],
+            ["data.min_pixels=20000 > data.max_pixels=10000"],
+            id="pixels-swapped",
+        ),
+        pytest.param(["worker.actor.clip_ratio_low=1.5"], ["worker.actor.clip_ratio_low=1.5: must be in (0, 1)"], id="clip-low"),
+        pytest.param(["worker.actor.clip_ratio_dual=1.0"], ["worker.actor.clip_ratio_dual=1.0: must be greater than 1"], id="clip-dual"),
+        pytest.param(["worker.actor.optim.betas=[0.9]"], ["worker.actor.optim.betas=[0.9]: give two numbers"], id="betas"),
+        pytest.param(["algorithm.use_kl_loss=false"], ["algorithm.use_kl_loss=false with KL enabled"], id="kl-reward-penalty"),
+    ],
+)
+def test_invariant_violations_are_reported_with_values(overrides, expected):
+    assert_one_problem_each(problems_of(QUICKSTART, *overrides), expected)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.n_gpus_per_node=2"],  # 64 samples per worker per update; micro 32 divides it
+        ["trainer.n_gpus_per_node=4", "worker.actor.micro_batch_size_per_device_for_update=8"],  # 32 per worker
+        ["algorithm.use_kl_loss=false", "algorithm.disable_kl=true"],
+        ["data.rollout_batch_size=48"],  # 3 mini-batches of 16 prompts
+    ],
+)
+def test_consistent_variations_of_the_quickstart_are_valid(overrides):
+    load_config([QUICKSTART, *overrides])
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_val_batch_size_must_be_positive_or_minus_one(value):
+    problems = problems_of(QUICKSTART, f"data.val_batch_size={value}")
+    assert any(p.startswith(f"data.val_batch_size={value}") for p in problems)
+
+
+# --------------------------------------------------------------------------- ${tiny:...} and malformed input
+
+
+def test_unknown_tiny_asset_is_a_config_error_listing_the_assets(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: ${tiny:bogus}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([f"config={path}"])
+    assert any("${tiny:bogus}" in p and "model_dir, train_file, val_file" in p for p in info.value.problems)
+
+
+@pytest.mark.parametrize("arg", ["worker.actor.optim.lr=${oops}", "data.train_files=[a"])
+def test_main_reports_malformed_values_as_config_problems(arg, capsys):
+    assert main([QUICKSTART, arg]) == 2
+    assert "vlmrl:" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- main
+
+
+BAD_ARGS = [QUICKSTART, "data.shufle=true", "algorithm.adv_estimator=ppo", "trainer.total_epochs=two"]
+
+
+def test_main_with_bad_args_returns_2_prints_every_problem_and_does_not_start_ray(capsys):
+    import ray
+
+    expected = problems_of(*BAD_ARGS)
+    start = time.perf_counter()
+    rc = main(BAD_ARGS)
+    elapsed = time.perf_counter() - start
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vlmrl: 3 problem(s)")
+    for problem in expected:
+        assert problem in err
+    assert not ray.is_initialized()
+    assert elapsed < 10, f"main took {elapsed:.1f}s to reject a bad config"
+
+
+def test_cli_with_bad_args_exits_2_without_importing_ray():
+    # sys.argv path of main(), in a fresh interpreter so that "ray not imported" means something.
+    code = (
+        "import sys, vlmrl.main as m; sys.argv = ['vlmrl', *sys.argv[1:]]; rc = m.main(); "
+        "print('ray imported:', 'ray' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *BAD_ARGS[1:], QUICKSTART],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "did you mean data.shuffle?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "ray imported: False" in proc.stdout
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_world_size_is_gpus_per_node_times_nodes():
+    assert world_size(Config(trainer=TrainerConfig(n_gpus_per_node=4, nnodes=3))) == 12
+
+
+def test_resolve_derives_the_step_numbers(tmp_path):
+    config = load_config(
+        [
+            QUICKSTART,
+            "data.rollout_batch_size=32",
+            "worker.actor.global_batch_size=8",
+            "worker.rollout.n=4",
+            "trainer.n_gpus_per_node=2",
+            "worker.actor.micro_batch_size_per_device_for_update=4",
+            "worker.actor.ppo_epochs=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.project_name=proj",
+            "trainer.experiment_name=exp",
+        ]
+    )
+    plan = resolve(config)
+    assert plan == Plan(
+        world_size=2,  # 2 GPUs x 1 node
+        samples_per_step=128,  # 32 prompts x n 4
+        samples_per_update=32,  # 8 prompts x n 4
+        updates_per_step=8,  # (128 / 32) mini-batches x 2 ppo epochs
+        micro_batches_per_update=4,  # 32 samples / 2 workers = 16 per worker, / micro 4
+        experiment_dir=str(tmp_path / "proj" / "exp"),
+        checkpoint_dir=str(tmp_path / "proj" / "exp" / "checkpoints"),
+    )
+
+
+def test_resolve_uses_an_explicit_checkpoint_path_made_absolute(tmp_path, monkeypatch):
+    config = load_config([QUICKSTART, "trainer.save_checkpoint_path=ckpt"])
+    monkeypatch.chdir(tmp_path)
+    plan = resolve(config)
+    assert plan.checkpoint_dir == str(tmp_path / "ckpt")
+    assert Path(plan.experiment_dir).is_absolute()
+
+
+def test_resolve_does_not_modify_the_config():
+    config = load_config([QUICKSTART, "trainer.n_gpus_per_node=2"])
+    before = copy.deepcopy(config)
+    plan = resolve(config)
+    assert config == before
+    assert config.worker.actor.global_batch_size == 16  # not multiplied by n as EasyR1 does
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.world_size = 3  # type: ignore[misc]
+
+
+def test_resolve_of_the_quickstart():
+    plan = resolve(load_config([QUICKSTART]))
+    # 16 prompts x 8 = 128 samples per step; one mini-batch of 16 x 8 = 128; 128 / 1 worker / micro 32 = 4
+    assert (plan.world_size, plan.samples_per_step, plan.samples_per_update) == (1, 128, 128)
+    assert (plan.updates_per_step, plan.micro_batches_per_update) == (1, 4)
+    assert plan.as_dict()["samples_per_step"] == 128
+
+
+def test_actor_config_defaults_are_self_consistent():
+    # The schema's own defaults (global 128 x n 5 on 1 worker, micro 4) pass the batch checks.
+    config = Config(worker=dataclasses.replace(Config().worker, actor=ActorConfig()))
+    problems = validate(config)
+    assert not [p for p in problems if "batch" in p or "split" in p or "divide" in p], problems
