@@ -36,10 +36,9 @@ BACKGROUNDS: tuple[tuple[int, int, int], ...] = ((255, 255, 255), (200, 200, 200
 # Multiples of 28 (patch 14 x merge 2), so the processor does not resample.
 IMAGE_SIDES: tuple[int, ...] = (56, 84, 112)
 
-COLOUR_QUESTION = (
-    "<image>What colour is the shape? Answer with one word (red, green, blue or yellow) "
-    "inside <answer></answer> tags."
-)
+# The bare question, as in EasyR1's datasets; the answer format is asked for by
+# the run's format prompt (examples/format_prompt/colour.jinja).
+COLOUR_QUESTION = "<image>What colour is the shape?"
 
 
 @dataclass(frozen=True)
