@@ -453,6 +453,7 @@ def test_resolve_derives_the_step_numbers(tmp_path):
         samples_per_update=32,  # 8 prompts x n 4
         updates_per_step=8,  # (128 / 32) mini-batches x 2 ppo epochs
         micro_batches_per_update=4,  # 32 samples / 2 workers = 16 per worker, / micro 4
+        use_reference=True,  # the quickstart's KL loss needs the reference model
         experiment_dir=str(tmp_path / "proj" / "exp"),
         checkpoint_dir=str(tmp_path / "proj" / "exp" / "checkpoints"),
     )
@@ -464,6 +465,14 @@ def test_resolve_uses_an_explicit_checkpoint_path_made_absolute(tmp_path, monkey
     plan = resolve(config)
     assert plan.checkpoint_dir == str(tmp_path / "ckpt")
     assert Path(plan.experiment_dir).is_absolute()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [([], True), (["algorithm.disable_kl=true"], False), (["algorithm.disable_kl=true", "algorithm.use_kl_loss=false"], False)],
+)
+def test_the_reference_model_is_used_only_for_an_enabled_kl_loss(overrides, expected):
+    assert resolve(load_config([QUICKSTART, *overrides])).use_reference is expected
 
 
 def test_resolve_does_not_modify_the_config():

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from vlmrl.trainer.core_algos import grpo_advantages, masked_sum
 from vlmrl.trainer.metrics import reduce_reward_metrics
-from vlmrl.trainer.ray_trainer import place_scores
+from vlmrl.trainer.scoring import place_scores
 from vlmrl.workers.rollout import VISION_SPECIAL_TOKENS, sampling_mask
 from vlmrl.workers.worker_group import _chunks
 

@@ -30,6 +30,8 @@ class Plan:
     """Optimizer steps per training step: mini-batches x ppo_epochs."""
     micro_batches_per_update: int
     """Gradient-accumulation micro-batches per optimizer step, per worker."""
+    use_reference: bool
+    """Whether a frozen reference model is built and run (the KL term needs it)."""
     experiment_dir: str
     checkpoint_dir: str
 
@@ -51,6 +53,7 @@ def resolve(config: Config) -> Plan:
         samples_per_update=samples_per_update,
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
         micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
+        use_reference=config.algorithm.use_kl_loss and not config.algorithm.disable_kl,
         experiment_dir=str(experiment_dir.resolve()),
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
     )

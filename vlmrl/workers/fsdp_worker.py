@@ -73,9 +73,8 @@ class FSDPWorker:
             betas=tuple(optim.betas),
             weight_decay=optim.weight_decay,
         )
-        self.use_ref = config.algorithm.use_kl_loss and not config.algorithm.disable_kl
         self.ref = None
-        if self.use_ref:
+        if plan.use_reference:
             self.ref = _load_sharded(model_path, dtype, mesh, trust)
             self.ref.eval().requires_grad_(False)
 
@@ -105,7 +104,7 @@ class FSDPWorker:
             clip_ratio_dual=actor_cfg.clip_ratio_dual,
             loss_avg_mode=actor_cfg.loss_avg_mode,
             max_grad_norm=actor_cfg.max_grad_norm,
-            use_kl_loss=self.use_ref,
+            use_kl_loss=plan.use_reference,
             kl_estimator=config.algorithm.kl_penalty,
             kl_coef=config.algorithm.kl_coef,
             temperature=rollout_cfg.temperature,
