@@ -31,6 +31,7 @@ from vlmrl.config import (
 from vlmrl.main import main
 from vlmrl.plan import Plan, resolve, world_size
 from vlmrl.trainer.core_algos import AdvantageEstimator
+from vlmrl.trainer.tracking import logger_problems
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = "config=examples/quickstart.yaml"
@@ -254,6 +255,8 @@ def test_enum_field_walk_finds_the_known_enum_fields():
     ids=lambda v: v.value if isinstance(v, enum.Enum) else None,
 )
 def test_every_enum_field_accepts_each_of_its_string_values(key, member, is_list):
+    if key == "trainer.logger" and logger_problems([member]):
+        pytest.skip(f"{member.value} needs a package that is not installed here (test_tracking.py checks that error)")
     value = f"[{member.value}]" if is_list else member.value
     got = get(load_config([QUICKSTART, f"{key}={value}"]), key)
     if is_list:

@@ -7,7 +7,6 @@ promise of the loop.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import REPO, experiment_dir, read_metrics, run_main, tail
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 PROMPTS_PER_STEP = 4
 N = 4
@@ -47,11 +46,9 @@ def run(tiny_assets, tmp_path_factory):
     reward_file.write_text(REWARD_FILE)
     reward_log = tmp / "reward_calls.jsonl"
     output_dir = tmp / "outputs"
-    cmd = [
-        sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml",
+    proc = run_main(
+        output_dir,
         f"trainer.max_steps={STEPS}",
-        f"trainer.output_dir={output_dir}",
-        "trainer.experiment_name=e2e",
         "trainer.val_before_train=false",
         f"trainer.val_generations_to_log={GENERATIONS_LOGGED}",
         f"data.rollout_batch_size={PROMPTS_PER_STEP}",
@@ -60,15 +57,16 @@ def run(tiny_assets, tmp_path_factory):
         f"worker.rollout.n={N}",
         f"worker.reward.reward_function={reward_file}:compute_score",
         f"worker.reward.reward_function_kwargs.log_path={reward_log}",
-    ]  # fmt: skip
-    env = {**os.environ, "VLMRL_CACHE_DIR": str(tiny_assets.model_dir.parents[1])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"vlmrl.main failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}"
-    experiment = output_dir / "vlmrl" / "e2e"
+        experiment="e2e",
+        env={"VLMRL_CACHE_DIR": str(tiny_assets.model_dir.parents[1])},
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"vlmrl.main failed:\n{tail(proc)}"
+    experiment = experiment_dir(output_dir, "e2e")
     return {
         "assets": tiny_assets,
         "reward_log": reward_log,
-        "metrics": [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()],
+        "metrics": read_metrics(output_dir, "e2e"),
         "generations": [
             json.loads(line) for line in (experiment / "generations" / f"step_{STEPS}.jsonl").read_text().splitlines()
         ],

@@ -33,6 +33,7 @@ def make_batch(b: int) -> Batch:
         data_sources=[f"source {i % 3}" for i in range(b)],
         row_indices=[100 + i for i in range(b)],
         images=[[f"image {i}"] * (i % 3) for i in range(b)],
+        extra_fields=[{"difficulty": i % 3, "id": f"row {i}"} for i in range(b)],
         rollout_log_probs=-rows[:, None].float() - torch.arange(R) / 10,
         old_log_probs=-rows[:, None].float() - torch.arange(R) / 100,
         ref_log_probs=-rows[:, None].float() - torch.arange(R) / 1000,

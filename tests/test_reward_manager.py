@@ -3,7 +3,9 @@
 Reward functions are user code: every way it can be wrong (missing file or
 function, bad REWARD_TYPE, kwargs that do not fit, a malformed or non-finite
 score) must fail with a message that names the function, and kwargs must be
-checked when the manager is built, not at the first step.
+checked when the manager starts, not at the first step. The managers here run
+the function in their reward processes, as they do inside the Ray actors;
+tests/test_reward_robustness.py covers exceptions, crashes and timeouts.
 """
 
 import itertools
@@ -17,6 +19,7 @@ from vlmrl.reward.function import RewardFunctionError, load_reward_function
 from vlmrl.reward.manager import (
     REWARD_MANAGERS,
     BatchFunctionRewardManager,
+    RewardResult,
     SequentialFunctionRewardManager,
     manager_class,
 )
@@ -46,9 +49,31 @@ def package(tmp_path, monkeypatch):
     return write
 
 
+@pytest.fixture
+def manager():
+    """Build managers that are closed (their reward processes stopped) after the test."""
+    built = []
+
+    def build(cls, spec, kwargs=None, **options):
+        m = cls(spec, kwargs, **options)
+        built.append(m)
+        return m
+
+    yield build
+    for m in built:
+        m.close()
+
+
 def inputs(*responses: str) -> list[dict]:
     return [
-        {"response": r, "response_length": len(r), "ground_truth": "yes", "prompt": "p", "data_source": "d", "sample_id": i}
+        {
+            "response": r,
+            "response_length": len(r),
+            "ground_truth": "yes",
+            "prompt": "p",
+            "data_source": "d",
+            "sample_id": i,
+        }
         for i, r in enumerate(responses)
     ]
 
@@ -160,12 +185,31 @@ def test_bad_reward_type_is_rejected_with_the_valid_values(tmp_path, source):
         ('REWARD_TYPE = "batch"\ndef f(x):\n    return [{"overall": 0}]\n', None, BatchFunctionRewardManager),
         ('REWARD_TYPE = "sequential"\ndef f(x):\n    return {"overall": 0}\n', None, SequentialFunctionRewardManager),
         # The function's own REWARD_TYPE beats its module's.
-        ('REWARD_TYPE = "sequential"\ndef f(x):\n    return []\nf.REWARD_TYPE = "batch"\n', None, BatchFunctionRewardManager),
+        (
+            'REWARD_TYPE = "sequential"\ndef f(x):\n    return []\nf.REWARD_TYPE = "batch"\n',
+            None,
+            BatchFunctionRewardManager,
+        ),
         # The config beats both.
-        ('REWARD_TYPE = "batch"\ndef f(x):\n    return []\n', RewardManagerType.sequential, SequentialFunctionRewardManager),
-        ('def f(x):\n    return []\nf.REWARD_TYPE = "sequential"\n', RewardManagerType.batch, BatchFunctionRewardManager),
+        (
+            'REWARD_TYPE = "batch"\ndef f(x):\n    return []\n',
+            RewardManagerType.sequential,
+            SequentialFunctionRewardManager,
+        ),
+        (
+            'def f(x):\n    return []\nf.REWARD_TYPE = "sequential"\n',
+            RewardManagerType.batch,
+            BatchFunctionRewardManager,
+        ),
     ],
-    ids=["default", "module-batch", "module-sequential", "function-over-module", "config-over-module", "config-over-function"],
+    ids=[
+        "default",
+        "module-batch",
+        "module-sequential",
+        "function-over-module",
+        "config-over-module",
+        "config-over-function",
+    ],
 )
 def test_manager_class_follows_config_then_function_then_module(tmp_path, source, configured, expected):
     path = write_module(tmp_path, source)
@@ -178,7 +222,7 @@ def test_each_manager_type_has_its_class():
         assert cls.reward_type is kind
 
 
-# --------------------------------------------------------------------------- kwargs checked at construction
+# --------------------------------------------------------------------------- kwargs checked at start-up
 
 
 @pytest.mark.parametrize(
@@ -188,70 +232,86 @@ def test_each_manager_type_has_its_class():
         ({"bonus": 1.0, "extra": 2}, "extra"),
     ],
 )
-def test_kwargs_that_do_not_fit_fail_when_the_manager_is_built(tmp_path, kwargs, match):
+def test_kwargs_that_do_not_fit_fail_when_the_manager_starts(tmp_path, manager, kwargs, match):
     path = write_module(tmp_path, SEQUENTIAL)
     with pytest.raises(RewardFunctionError) as info:
-        SequentialFunctionRewardManager(f"{path}:score", kwargs)
+        manager(SequentialFunctionRewardManager, f"{path}:score", kwargs).start()
     message = str(info.value)
     assert "worker.reward.reward_function_kwargs" in message and match in message
     assert "(reward_input, bonus=0.0)" in message  # shows the signature to fit
 
 
-def test_a_required_keyword_not_given_fails_when_the_manager_is_built(tmp_path):
+def test_a_required_keyword_not_given_fails_when_the_manager_starts(tmp_path, manager):
     path = write_module(tmp_path, "def score(reward_inputs, threshold):\n    return []\n")
     with pytest.raises(RewardFunctionError, match="threshold"):
-        BatchFunctionRewardManager(f"{path}:score", {})
-    BatchFunctionRewardManager(f"{path}:score", {"threshold": 0.5})  # fits
+        manager(BatchFunctionRewardManager, f"{path}:score", {}).start()
+    manager(BatchFunctionRewardManager, f"{path}:score", {"threshold": 0.5}).start()  # fits
 
 
-def test_a_function_without_a_positional_input_fails_when_the_manager_is_built(tmp_path):
+def test_a_function_without_a_positional_input_fails_when_the_manager_starts(tmp_path, manager):
     path = write_module(tmp_path, "def score():\n    return {}\n")
     with pytest.raises(RewardFunctionError, match="do not fit"):
-        SequentialFunctionRewardManager(f"{path}:score", {})
+        manager(SequentialFunctionRewardManager, f"{path}:score", {}).start()
 
 
-def test_var_keyword_functions_accept_any_kwargs(tmp_path):
+def test_var_keyword_functions_accept_any_kwargs(tmp_path, manager):
     path = write_module(tmp_path, 'def score(x, **kw):\n    return {"overall": kw["w"]}\n')
-    manager = SequentialFunctionRewardManager(f"{path}:score", {"w": 0.25})
-    assert manager.compute(inputs("a")) == ([0.25], {})
+    m = manager(SequentialFunctionRewardManager, f"{path}:score", {"w": 0.25})
+    assert m.compute(inputs("a")) == RewardResult([0.25], {}, [])
+
+
+def test_a_package_module_loads_in_the_reward_processes(package, manager):
+    # The processes get the manager's sys.path, so a package importable here is importable there.
+    module = package("scores", BATCH)
+    assert manager(BatchFunctionRewardManager, f"{module}:score").compute(inputs("yes")).overall == [1.0]
 
 
 # --------------------------------------------------------------------------- scores
 
 
-def test_sequential_manager_returns_overall_and_subscores_with_missing_filled_as_zero(tmp_path):
+def test_sequential_manager_returns_overall_and_subscores_with_missing_filled_as_zero(tmp_path, manager):
     path = write_module(tmp_path, SEQUENTIAL)
-    manager = SequentialFunctionRewardManager(f"{path}:score", {"bonus": 0.5})
-    overall, subscores = manager.compute(inputs("yes", "no", "no"))
-    assert overall == [1.5, 0.5, 0.5]  # hit + bonus
-    assert subscores == {
+    m = manager(SequentialFunctionRewardManager, f"{path}:score", {"bonus": 0.5})
+    result = m.compute(inputs("yes", "no", "no"))
+    assert result.overall == [1.5, 0.5, 0.5]  # hit + bonus
+    assert result.sub_scores == {
         "accuracy": [1.0, 0.0, 0.0],
         "length": [3.0, 0.0, 2.0],  # sample 1 did not report it: 0
     }
-    assert all(isinstance(v, float) for v in overall + subscores["length"])
+    assert result.timeouts == []
+    assert all(isinstance(v, float) for v in result.overall + result.sub_scores["length"])
 
 
-def test_batch_manager_calls_once_and_fills_missing_subscores(tmp_path, package):
+def test_batch_manager_calls_once_and_fills_missing_subscores(package, manager):
     module = package("scores", BATCH)
-    manager = BatchFunctionRewardManager(f"{module}:score", {"scale": 3.0})
-    overall, subscores = manager.compute(inputs("no", "yes", "no"))
-    assert overall == [0.0, 3.0, 0.0]
-    assert subscores == {"hit_only": [0.0, 1.0, 0.0]}
+    result = manager(BatchFunctionRewardManager, f"{module}:score", {"scale": 3.0}).compute(inputs("no", "yes", "no"))
+    assert result.overall == [0.0, 3.0, 0.0]
+    assert result.sub_scores == {"hit_only": [0.0, 1.0, 0.0]}
 
 
-def test_batch_manager_passes_all_inputs_in_one_call(tmp_path):
+def test_batch_manager_passes_all_inputs_in_one_call(tmp_path, manager):
+    log = tmp_path / "calls.txt"
     path = write_module(
         tmp_path,
         """
-        CALLS = []
-        def score(reward_inputs):
-            CALLS.append(len(reward_inputs))
+        def score(reward_inputs, log):
+            with open(log, "a") as f:
+                f.write(f"{len(reward_inputs)}\\n")
             return [{"overall": x["sample_id"]} for x in reward_inputs]
         """,
     )
-    manager = BatchFunctionRewardManager(f"{path}:score", {})
-    assert manager.compute(inputs("a", "b", "c", "d"))[0] == [0.0, 1.0, 2.0, 3.0]
-    assert manager.fn.__globals__["CALLS"] == [4]
+    m = manager(BatchFunctionRewardManager, f"{path}:score", {"log": str(log)}, num_cpus=4)
+    assert m.compute(inputs("a", "b", "c", "d")).overall == [0.0, 1.0, 2.0, 3.0]
+    assert log.read_text().split() == ["4"]
+    assert m.sandbox.processes == 1  # one call per step needs one process, whatever num_cpus says
+
+
+def test_managers_are_reusable_across_steps(tmp_path, manager):
+    path = write_module(tmp_path, SEQUENTIAL)
+    m = manager(SequentialFunctionRewardManager, f"{path}:score")
+    for step in range(3):
+        assert m.compute(inputs("yes", "no")[: step % 2 + 1]).overall == [1.0, 0.0][: step % 2 + 1]
+    assert m.compute([]).overall == []
 
 
 @pytest.mark.parametrize(
@@ -262,29 +322,38 @@ def test_batch_manager_passes_all_inputs_in_one_call(tmp_path):
         ('{"overall": float("nan")}', "'overall'=nan is not finite"),
         ('{"overall": 1.0, "format": float("inf")}', "'format'=inf is not finite"),
         ('{"overall": "high"}', "'overall'='high' is not a number"),
+        ('{"overall": 1.0, 3: 1.0}', "score key 3 is not a string"),
     ],
 )
-def test_malformed_scores_fail_naming_the_function_and_sample(tmp_path, returned, match):
-    path = write_module(tmp_path, f"def score(x):\n    return {returned} if x['sample_id'] == 1 else {{'overall': 0}}\n")
-    manager = SequentialFunctionRewardManager(f"{path}:score", {})
+def test_malformed_scores_fail_naming_the_function_and_sample(tmp_path, manager, returned, match):
+    path = write_module(
+        tmp_path, f"def score(x):\n    return {returned} if x['sample_id'] == 1 else {{'overall': 0}}\n"
+    )
     with pytest.raises(RewardFunctionError) as info:
-        manager.compute(inputs("a", "b"))
+        manager(SequentialFunctionRewardManager, f"{path}:score").compute(inputs("a", "b"))
     message = str(info.value)
     assert match in message
-    assert f"{path}:score" in message and "sample 1" in message
+    assert f"{path}:score" in message and "sample 1 (data source 'd')" in message
 
 
 @pytest.mark.parametrize("returned", ["[{'overall': 0.0}]", "{'overall': 0.0}", "None"])
-def test_batch_function_returning_the_wrong_length_or_type_fails(tmp_path, returned):
+def test_batch_function_returning_the_wrong_length_or_type_fails(tmp_path, manager, returned):
     path = write_module(tmp_path, f"def score(xs):\n    return {returned}\n")
-    manager = BatchFunctionRewardManager(f"{path}:score", {})
     with pytest.raises(RewardFunctionError) as info:
-        manager.compute(inputs("a", "b", "c"))
+        manager(BatchFunctionRewardManager, f"{path}:score").compute(inputs("a", "b", "c"))
     message = str(info.value)
     assert f"{path}:score" in message and "for 3 inputs" in message and "one dict per input" in message
 
 
-def test_batch_function_malformed_item_names_its_sample(tmp_path):
+def test_batch_function_malformed_item_names_its_sample(tmp_path, manager):
     path = write_module(tmp_path, "def score(xs):\n    return [{'overall': 1.0}, {'score': 1.0}]\n")
     with pytest.raises(RewardFunctionError, match="sample 1"):
-        BatchFunctionRewardManager(f"{path}:score", {}).compute(inputs("a", "b"))
+        manager(BatchFunctionRewardManager, f"{path}:score").compute(inputs("a", "b"))
+
+
+def test_numpy_scores_are_taken_as_floats(tmp_path, manager):
+    path = write_module(
+        tmp_path, "import numpy as np\ndef score(x):\n    return {'overall': np.float32(0.5), 'hit': np.bool_(True)}\n"
+    )
+    result = manager(SequentialFunctionRewardManager, f"{path}:score").compute(inputs("a"))
+    assert result == RewardResult([0.5], {"hit": [1.0]}, [])

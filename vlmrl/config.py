@@ -29,7 +29,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vlmrl.plan import world_size
+from vlmrl.reward.function import RewardFunctionError, load_reward_function
+from vlmrl.reward.options import RewardManagerType, TimeoutPolicy
 from vlmrl.trainer.core_algos import AdvantageEstimator, KLEstimator, LossAvgMode
+from vlmrl.trainer.tracking import LoggerName, logger_problems
 
 
 class ConfigError(ValueError):
@@ -40,16 +43,6 @@ class ConfigError(ValueError):
         super().__init__(
             f"{len(problems)} problem(s) in the configuration:\n" + "\n".join(f"  - {p}" for p in problems)
         )
-
-
-class RewardManagerType(str, enum.Enum):
-    sequential = "sequential"
-    batch = "batch"
-
-
-class LoggerName(str, enum.Enum):
-    console = "console"
-    file = "file"
 
 
 class DType(str, enum.Enum):
@@ -166,7 +159,16 @@ class RewardConfig:
     reward_function: str = ""
     """path/to/file.py:function or package.module:function."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of every call of the reward function."""
     num_cpus: int = 1
+    """CPUs reserved for each reward actor (one for training, one for validation); a
+    sequential function is scored in this many processes in parallel."""
+    timeout: float | None = 300.0
+    """vlmrl addition: seconds one call of the reward function may take (one response for a
+    sequential function, the step's whole batch for a batch function); null for no limit."""
+    on_timeout: TimeoutPolicy = TimeoutPolicy.error
+    """vlmrl addition: a call past the timeout fails the step (error), or scores 0 and is
+    counted in reward/timeouts (zero)."""
 
 
 @dataclass
@@ -183,17 +185,34 @@ class TrainerConfig:
     """Stop after this many steps even if epochs remain."""
     project_name: str = "vlmrl"
     experiment_name: str = "default"
-    logger: list[LoggerName] = field(default_factory=lambda: [LoggerName.console, LoggerName.file])
+    logger: list[LoggerName] = field(
+        default_factory=lambda: [LoggerName.console, LoggerName.file, LoggerName.mlflow]
+    )
+    """Where metrics and validation samples go: console, file, mlflow, tensorboard, wandb, swanlab."""
     output_dir: str = "outputs"
     """Experiment directory root: <output_dir>/<project_name>/<experiment_name>/."""
     val_freq: int = -1
     """Validate every this many steps; -1 validates only at the end."""
     val_before_train: bool = False
+    """Validate once before the first step (logged as step 0)."""
+    val_only: bool = False
+    """Run validation once (on the resumed checkpoint, or the base model) and exit."""
     val_generations_to_log: int = 0
+    """Validation samples (prompt, images, response, scores) sent to the loggers at each validation."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps; -1 saves only at the end (and on SIGTERM/SIGINT)."""
+    save_limit: int = -1
+    """Keep only the newest this many complete checkpoints; -1 keeps all."""
+    save_model_only: bool = False
+    """Save the actor's weights without the optimizer state."""
     save_checkpoint_path: str | None = None
-    """Where the final weights go; defaults to <experiment dir>/checkpoints."""
+    """Checkpoint directory; defaults to <experiment dir>/checkpoints."""
+    load_checkpoint_path: str | None = None
+    """Resume from this global_step_<k> directory."""
+    find_last_checkpoint: bool = True
+    """Without load_checkpoint_path, resume from the newest complete checkpoint in the checkpoint directory."""
     save_hf_weights: bool = True
-    """Write the final actor as a HF model directory at the end of the run."""
+    """vlmrl addition: the final checkpoint also holds the actor as a HF model directory (actor/huggingface)."""
     n_gpus_per_node: int = 1
     """Workers per node (CPU workers on CPU-only machines)."""
     nnodes: int = 1
@@ -328,6 +347,9 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
         problems.append(f"{key}={value!r}: expected an integer")
         return _INVALID
+    if tp is str and value is None:
+        # `key=` on the command line and `key: null` in YAML both mean "empty".
+        return ""
     if tp is str and not isinstance(value, str):
         # YAML reads `experiment_name: 1` as an int; a string field takes it as text.
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -359,8 +381,7 @@ def validate(config: Config) -> list[str]:
         problems.append("worker.actor.model.model_path is empty: set it to a local HF model directory")
     elif not Path(actor.model.model_path).exists():
         problems.append(f"worker.actor.model.model_path: {actor.model.model_path} does not exist")
-    if not config.worker.reward.reward_function:
-        problems.append("worker.reward.reward_function is empty: set it to path/to/file.py:function")
+    problems.extend(_reward_problems(config.worker.reward))
     if data.format_prompt and not Path(data.format_prompt).is_file():
         problems.append(f"data.format_prompt: {data.format_prompt} does not exist")
     for key, value in (
@@ -384,6 +405,8 @@ def validate(config: Config) -> list[str]:
         )
     if config.trainer.max_steps is not None and config.trainer.max_steps < 1:
         problems.append(f"trainer.max_steps={config.trainer.max_steps}: must be at least 1, or unset")
+    problems.extend(logger_problems(config.trainer.logger))
+    problems.extend(_check_validation(config))
     unknown = set(rollout.val_override_config) - VAL_OVERRIDE_KEYS
     if unknown:
         problems.append(
@@ -417,11 +440,67 @@ def validate(config: Config) -> list[str]:
                 f"worker.actor.global_batch_size={actor.global_batch_size}: each step's prompts must split into "
                 "whole update mini-batches"
             )
+    trainer = config.trainer
+    if trainer.save_freq == 0 or trainer.save_freq < -1:
+        problems.append(f"trainer.save_freq={trainer.save_freq}: must be at least 1, or -1 to save only at the end")
+    if trainer.save_limit == 0 or trainer.save_limit < -1:
+        problems.append(f"trainer.save_limit={trainer.save_limit}: must be at least 1, or -1 to keep every checkpoint")
+    if trainer.load_checkpoint_path:
+        ckpt = Path(trainer.load_checkpoint_path)
+        if not (ckpt / "COMPLETE").is_file():
+            problems.append(
+                f"trainer.load_checkpoint_path={ckpt}: not a complete checkpoint (no COMPLETE marker); "
+                "point it at a global_step_<k> directory that a finished save wrote"
+            )
+    if trainer.val_only and not data.val_files:
+        problems.append("trainer.val_only=true needs data.val_files")
     if config.trainer.nnodes > 1:
         problems.append(
             f"trainer.nnodes={config.trainer.nnodes}: multi-node runs are not supported yet; use trainer.nnodes=1"
         )
     problems.extend(_check_world_divisibility(config))
+    return problems
+
+
+def _check_validation(config: Config) -> list[str]:
+    problems = []
+    trainer, override = config.trainer, config.worker.rollout.val_override_config
+    if trainer.val_freq == 0 or trainer.val_freq < -1:
+        problems.append(f"trainer.val_freq={trainer.val_freq}: must be at least 1, or -1 to validate only at the end")
+    if trainer.val_generations_to_log < 0:
+        problems.append(f"trainer.val_generations_to_log={trainer.val_generations_to_log}: must be 0 or more")
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    rules = {  # key: (valid?, what it must be)
+        "temperature": (lambda v: number(v) and v >= 0, "a number >= 0 (0 is greedy)"),
+        "top_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": (lambda v: integer(v) and (v == -1 or v >= 1), "-1 or an integer >= 1"),
+        "n": (lambda v: integer(v) and v >= 1, "an integer >= 1"),
+    }
+    for key, value in override.items():
+        if key in rules and not rules[key][0](value):
+            problems.append(f"worker.rollout.val_override_config.{key}={value!r}: must be {rules[key][1]}")
+    return problems
+
+
+def _reward_problems(reward: RewardConfig) -> list[str]:
+    """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts."""
+    problems = []
+    if not reward.reward_function:
+        problems.append("worker.reward.reward_function is empty: set it to path/to/file.py:function")
+    else:
+        try:
+            load_reward_function(reward.reward_function)
+        except RewardFunctionError as e:
+            problems.append(str(e))
+    if reward.num_cpus < 1:
+        problems.append(f"worker.reward.num_cpus={reward.num_cpus}: must be at least 1")
+    if reward.timeout is not None and not reward.timeout > 0:
+        problems.append(f"worker.reward.timeout={reward.timeout}: must be a positive number of seconds, or null for no limit")
     return problems
 
 

@@ -6,7 +6,9 @@ read, so a mistyped key fails in a second with every problem listed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 from vlmrl.config import ConfigError, load_config
@@ -32,11 +34,42 @@ def main(argv: list[str] | None = None) -> int:
             # A local cluster with no dashboard. Logical CPUs cover every actor
             # the run places even on a 2-core machine; the workers set their own
             # thread counts.
-            needed = plan.world_size + config.worker.reward.num_cpus
+            needed = plan.world_size + 2 * config.worker.reward.num_cpus  # training and validation reward actors
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
-    runner = ray.remote(Runner).options(num_cpus=0).remote()
-    ray.get(runner.run.remote(config, plan))
+    runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=2).remote()
+    done = runner.run.remote(config, plan)
+    with _stop_on_signals(lambda: runner.request_stop.remote()):
+        # Wait in slices so a signal is handled within a second.
+        while not ray.wait([done], timeout=1.0)[0]:
+            pass
+    ray.get(done)
     return 0
+
+
+@contextlib.contextmanager
+def _stop_on_signals(request_stop):
+    """SIGTERM / SIGINT: the first asks the run to save and stop; a second exits at once."""
+    received = []
+
+    def handler(signum, _frame):
+        if received:
+            print(f"vlmrl: second {signal.Signals(signum).name}, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        received.append(signum)
+        print(
+            f"vlmrl: {signal.Signals(signum).name} received; finishing the current step, saving, then exiting "
+            "(send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        request_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ class PromptSample:
     ground_truth: str
     data_source: str
     prompt_text: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other columns (not prompt, answer or images), passed to the reward function."""
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Batch:
     row_indices: list[int]
     """Each sample's row in its dataset."""
     images: list[list[Any]] = field(default_factory=list)
+    extra_fields: list[dict[str, Any]] = field(default_factory=list)
+    """Each sample's row's extra columns (``PromptSample.extra``), for the reward function."""
     rollout_log_probs: torch.Tensor | None = None
     """(B, R) log-probs vLLM assigned to the sampled tokens."""
     old_log_probs: torch.Tensor | None = None

@@ -143,6 +143,7 @@ class RLHFDataset:
             ground_truth=str(row[self.answer_key]),
             data_source=str(row.get("data_source", "unknown")),
             prompt_text=text,
+            extra={k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key, self.image_key)},
         )
 
     def _images_of(self, row: dict) -> list:

@@ -1,47 +1,65 @@
-"""Loading a user's reward function from ``path/to/file.py:function`` or ``package.module:function``."""
+"""Loading a user's reward function from ``path/to/file.py:function`` or ``package.module:function``.
+
+This module is imported by the reward processes too, so it imports nothing heavy.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from vlmrl.config import RewardManagerType
+from vlmrl.reward.options import RewardManagerType
+
+KEY = "worker.reward.reward_function"
 
 
 class RewardFunctionError(ValueError):
-    pass
+    """The reward function cannot be used, or a call of it failed; the message names it and the sample."""
+
+
+class RewardTimeout(RewardFunctionError):
+    """A call of the reward function ran past worker.reward.timeout."""
 
 
 def load_reward_function(spec: str) -> tuple[Callable, RewardManagerType | None]:
-    """The function named by ``spec`` and the REWARD_TYPE it declares (on itself or its module), if any."""
+    """The function named by ``spec`` and the REWARD_TYPE it declares (on itself or its module), if any.
+
+    Every failure, an exception raised while the user's module is imported included,
+    comes back as a RewardFunctionError that names ``spec``.
+    """
     if ":" not in spec:
-        raise RewardFunctionError(
-            f"worker.reward.reward_function={spec!r}: expected path/to/file.py:function or package.module:function"
-        )
+        raise RewardFunctionError(f"{KEY}={spec!r}: expected path/to/file.py:function or package.module:function")
     location, name = spec.rsplit(":", 1)
     if location.endswith(".py"):
         path = Path(location)
         if not path.is_file():
-            raise RewardFunctionError(f"worker.reward.reward_function: file {location} does not exist")
-        module_name = f"vlmrl_reward_{abs(hash(str(path.resolve())))}"
+            raise RewardFunctionError(f"{KEY}: file {location} does not exist")
+        # A stable name per file, so that pickling by reference finds the module again.
+        module_name = "vlmrl_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # so pickling by reference (multiprocessing) can find it
+        sys.modules[module_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise RewardFunctionError(f"worker.reward.reward_function: {location} failed to load: {e!r}") from e
+        except BaseException as e:  # SystemExit from user code too: report it, do not exit
+            del sys.modules[module_name]
+            raise RewardFunctionError(f"{KEY}: {location} failed to load: {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(location)
-        except ImportError as e:
-            raise RewardFunctionError(f"worker.reward.reward_function: cannot import module {location} ({e})") from e
+        except ModuleNotFoundError as e:
+            raise RewardFunctionError(f"{KEY}: cannot import module {location} ({e})") from e
+        except BaseException as e:
+            raise RewardFunctionError(f"{KEY}: module {location} failed to load: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardFunctionError(f"worker.reward.reward_function: {location} has no function {name!r}")
+        raise RewardFunctionError(f"{KEY}: {location} has no function {name!r}")
     declared = getattr(fn, "REWARD_TYPE", None) or getattr(module, "REWARD_TYPE", None)
     if declared is not None:
         try:
@@ -49,3 +67,13 @@ def load_reward_function(spec: str) -> tuple[Callable, RewardManagerType | None]
         except ValueError as e:
             raise RewardFunctionError(f"{spec}: REWARD_TYPE={declared!r} is not 'sequential' or 'batch'") from e
     return fn, declared
+
+
+def check_kwargs(fn: Callable, spec: str, kwargs: dict[str, Any]) -> None:
+    """Fail at start-up, not at the first step, when the kwargs do not fit the function."""
+    try:
+        inspect.signature(fn).bind(None, **kwargs)
+    except TypeError as e:
+        raise RewardFunctionError(
+            f"worker.reward.reward_function_kwargs={kwargs} do not fit {spec}{inspect.signature(fn)}: {e}"
+        ) from e

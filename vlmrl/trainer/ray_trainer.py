@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from vlmrl.config import Config
+from vlmrl.config import Config, to_dict
 from vlmrl.plan import Plan
 from vlmrl.protocol import Batch
+from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.trainer import core_algos
+from vlmrl.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from vlmrl.trainer.metrics import batch_metrics
-from vlmrl.trainer.scoring import Scorer
+from vlmrl.trainer.perf import PerfMeter, ProgressBar
+from vlmrl.trainer.scoring import Scorers
 from vlmrl.trainer.validation import Validator
 from vlmrl.trainer.tracking import Tracker
 from vlmrl.workers.rollout import SamplingOverrides
@@ -29,10 +36,26 @@ def timer(name: str, timings: dict[str, float]):
 
 
 class RayPPOTrainer:
-    def __init__(self, config: Config, plan: Plan, train_loader, val_loader, reward_manager, workers: WorkerGroup, tracker: Tracker):
+    def __init__(
+        self,
+        config: Config,
+        plan: Plan,
+        train_loader,
+        val_loader,
+        scorers: Scorers,
+        workers: WorkerGroup,
+        tracker: Tracker,
+        checkpoints: CheckpointManager,
+        resume_from: Path | None = None,
+        stop_requested: threading.Event | None = None,
+    ):
         self.config, self.plan = config, plan
         self.train_loader = train_loader
-        self.scorer = Scorer(reward_manager)
+        self.steps_per_epoch = len(train_loader)
+        self.checkpoints = checkpoints
+        self.resume_from = resume_from
+        self.stop_requested = stop_requested or threading.Event()
+        self.scorer = scorers.train
         self.workers = workers
         self.tracker = tracker
         self.next_group_id = 0
@@ -46,27 +69,43 @@ class RayPPOTrainer:
                 self.train_sampling, **{"n": 1, "temperature": 0.0, **rollout.val_override_config}
             )
             self.validator = Validator(
-                workers, self.scorer, val_loader, val_sampling, plan.experiment_dir, config.trainer.val_generations_to_log
+                workers, scorers.val, val_loader, val_sampling, plan.experiment_dir, config.trainer.val_generations_to_log,
+                tracker=tracker,
             )
-        steps_per_epoch = len(train_loader)
-        total = steps_per_epoch * config.trainer.total_epochs
+        self.perf = PerfMeter.for_run(config, plan)
+        total = self.steps_per_epoch * config.trainer.total_epochs
         self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
 
-    def _steps(self):
-        """(step, prompts) over the epochs, stopping at total_steps."""
-        step = 0
-        for _epoch in range(self.config.trainer.total_epochs):
+    def _steps(self, start_step: int):
+        """(step, prompts) from start_step + 1 to total_steps, across epochs.
+
+        Each epoch's shuffle is seeded by (data.seed, epoch), so the order of an
+        epoch does not depend on how the run got there; a resumed run continues
+        its epoch from the loader state it saved.
+        """
+        step = start_step
+        epoch, done_in_epoch = divmod(start_step, self.steps_per_epoch)
+        while step < self.total_steps:
+            if done_in_epoch == 0:
+                self.train_loader.generator.manual_seed(self.config.data.seed + epoch)
             for prompts in self.train_loader:
                 step += 1
                 yield step, prompts
                 if step == self.total_steps:
                     return
+            epoch, done_in_epoch = epoch + 1, 0
 
     def fit(self) -> None:
-        step = 0
-        if self.config.trainer.val_before_train and self.validator is not None:
+        step = self._resume()
+        if self.config.trainer.val_only:
+            if self.validator is not None:
+                self.tracker.log(self.validator.run(step), step)
+            self.tracker.close()
+            return
+        if self.config.trainer.val_before_train and self.validator is not None and step == 0:
             self.tracker.log(self.validator.run(step), step)
-        for step, prompts in self._steps():
+        progress = ProgressBar(self.total_steps, start_step=step)
+        for step, prompts in self._steps(step):
             timings: dict[str, float] = {}
             with timer("step", timings):
                 # 1. Rollout: n samples per prompt, images included.
@@ -95,17 +134,74 @@ class RayPPOTrainer:
                 if self._validation_due(step):
                     with timer("testing", timings):
                         val_metrics = self.validator.run(step)
+                # 7. Save when due, at the end, or when asked to stop.
+                stopping = self.stop_requested.is_set()
+                if self._save_due(step) or stopping:
+                    with timer("save_checkpoint", timings):
+                        self._save(step)
             metrics = {
                 **batch_metrics(batch, entropy),
                 **reward_metrics,
                 **actor_metrics,
                 **val_metrics,
                 **{f"timing_s/{k}": v for k, v in timings.items()},
+                **self.perf.metrics(batch, timings),
             }
             self.tracker.log(metrics, step)
-        if self.config.trainer.save_hf_weights:
-            self.workers.save_hf(str(Path(self.plan.checkpoint_dir) / f"global_step_{step}" / "actor" / "huggingface"))
+            progress.update(step)
+            if stopping:
+                print(f"stop requested: saved step {step}, exiting", flush=True)
+                break
+        progress.close()
         self.tracker.close()
+
+    # ----------------------------------------------------------- checkpoints
+
+    def _save_due(self, step: int) -> bool:
+        freq = self.config.trainer.save_freq
+        return step == self.total_steps or (freq > 0 and step % freq == 0)
+
+    def _save(self, step: int) -> None:
+        trainer_cfg = self.config.trainer
+        tmp = self.checkpoints.begin(step)
+        self.workers.save_checkpoint(
+            str(tmp), model_only=trainer_cfg.save_model_only, hf_weights=trainer_cfg.save_hf_weights and step == self.total_steps
+        )
+        state = {
+            "global_step": step,
+            "next_group_id": self.next_group_id,
+            "dataloader": self.train_loader.state_dict(),
+            "rng": rng_state(),
+            "tracker": self.tracker.state(),
+        }
+        save_trainer_state(tmp, state)
+        (tmp / "config.json").write_text(json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2))
+        crash_at = os.environ.get("VLMRL_TEST_CRASH_IN_SAVE_AT_STEP")
+        if crash_at is not None and int(crash_at) == step:
+            # Fault injection for the crash-during-save test: die as SIGKILL would, shards written, not committed.
+            os.kill(os.getpid(), signal.SIGKILL)
+        path = self.checkpoints.commit(tmp, step)
+        print(f"checkpoint: saved {path}", flush=True)
+
+    def _resume(self) -> int:
+        """Restore the checkpoint the run starts from, if any; return the step it holds, or 0."""
+        path = self.resume_from
+        if path is None:
+            return 0
+        state = load_trainer_state(path)
+        restored_optimizer = self.workers.load_checkpoint(str(path))
+        step = state["global_step"]
+        # A checkpoint taken at the end of an epoch holds a finished loader; the next epoch starts fresh.
+        if step % self.steps_per_epoch:
+            self.train_loader.load_state_dict(state["dataloader"])
+        self.next_group_id = state["next_group_id"]
+        set_rng_state(state["rng"])
+        print(
+            f"checkpoint: resumed from {path} at step {step}"
+            + ("" if restored_optimizer else " (model only: optimizer state starts fresh)"),
+            flush=True,
+        )
+        return step
 
     def _group_ids(self, n_prompts: int) -> list[int]:
         ids = list(range(self.next_group_id, self.next_group_id + n_prompts))

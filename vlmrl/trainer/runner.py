@@ -7,18 +7,19 @@ and makes the same code path serve a local cluster and a remote one.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
-import ray
 from transformers import AutoProcessor
 
 from vlmrl.config import Config, to_dict
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import Plan
-from vlmrl.reward.manager import manager_class
+from vlmrl.trainer.checkpoint import CheckpointManager, check_model_matches, load_trainer_state
 from vlmrl.trainer.ray_trainer import RayPPOTrainer
-from vlmrl.trainer.tracking import Tracker
+from vlmrl.trainer.scoring import start_scorers
+from vlmrl.trainer.tracking import RunInfo, Tracker
 from vlmrl.workers.worker_group import WorkerGroup
 
 
@@ -41,6 +42,15 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
 
 
 class Runner:
+    """Runs with two threads: ``run`` drives training, ``request_stop`` can arrive meanwhile."""
+
+    def __init__(self):
+        self.stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint, and return from ``run``."""
+        self.stop_requested.set()
+
     def run(self, config: Config, plan: Plan) -> None:
         experiment_dir = Path(plan.experiment_dir)
         experiment_dir.mkdir(parents=True, exist_ok=True)
@@ -58,11 +68,26 @@ class Runner:
             val_batch = len(val) if data.val_batch_size == -1 else data.val_batch_size
             val_loader = make_loader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
 
-        reward = config.worker.reward
-        manager = ray.remote(manager_class(reward.reward_function, reward.reward_type))
-        reward_manager = manager.options(num_cpus=reward.num_cpus).remote(
-            reward.reward_function, reward.reward_function_kwargs
-        )
+        trainer_cfg = config.trainer
+        checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
+        resume_from = checkpoints.resume_path(trainer_cfg.load_checkpoint_path, trainer_cfg.find_last_checkpoint)
+        if resume_from is not None:
+            check_model_matches(resume_from, model.model_path)  # before any worker loads a model
+
+        # Before the workers load the model: a reward function that cannot start fails the run in seconds.
+        scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
         workers = WorkerGroup(config, plan)
-        tracker = Tracker(config.trainer.logger, plan.experiment_dir)
-        RayPPOTrainer(config, plan, train_loader, val_loader, reward_manager, workers, tracker).fit()
+        run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
+        # A run resumed from its own checkpoint continues its logger runs (the same MLflow
+        # run id); one started from another experiment's checkpoint gets runs of its own.
+        own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
+        tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
+        tracker = Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
+        try:
+            RayPPOTrainer(
+                config, plan, train_loader, val_loader, scorers, workers, tracker,
+                checkpoints=checkpoints, resume_from=resume_from, stop_requested=self.stop_requested,
+            ).fit()  # fmt: skip
+        except BaseException:
+            tracker.close(failed=True)  # the MLflow run is marked FAILED rather than left RUNNING
+            raise

@@ -1,4 +1,13 @@
-"""Validation: generate on the validation set, score, report per source and sub-score, and log samples."""
+"""Validation: generate on the validation set, score, report per source and sub-score, and log samples.
+
+Sampling follows ``worker.rollout.val_override_config`` over a greedy single
+sample per prompt. Metrics come as ``val/reward/<score>`` over the whole set
+and ``val/<data source>/<score>`` per source, for ``overall`` and every
+sub-score the reward function returns. The first ``trainer.val_generations_to_log``
+samples (the same rows at every validation, so answers can be followed over
+the run) go to <experiment dir>/generations/step_<k>.jsonl with their token
+ids and vLLM log-probs, and to the tracker's loggers with their images.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from pathlib import Path
 from vlmrl.protocol import Batch
 from vlmrl.trainer.metrics import reduce_reward_metrics
 from vlmrl.trainer.scoring import Scorer
+from vlmrl.trainer.tracking import Tracker, ValidationSample
 from vlmrl.workers.rollout import SamplingOverrides
 from vlmrl.workers.worker_group import WorkerGroup
 
@@ -21,25 +31,29 @@ class Validator:
         sampling: SamplingOverrides,
         experiment_dir: str,
         generations_to_log: int,
+        tracker: Tracker | None = None,
     ):
         self.workers, self.scorer, self.loader, self.sampling = workers, scorer, loader, sampling
         self.experiment_dir = Path(experiment_dir)
         self.generations_to_log = generations_to_log
+        self.tracker = tracker
 
     def run(self, step: int) -> dict[str, float]:
-        parts = []
+        parts, timeouts = [], 0
         for prompts in self.loader:
             # Group ids only matter for advantages, which validation does not compute.
             batch = self.workers.generate(prompts, list(range(len(prompts))), self.sampling)
-            self.scorer.collect(self.scorer.launch(batch), batch)
+            timeouts += self.scorer.collect(self.scorer.launch(batch), batch)["reward/timeouts"]
             parts.append(batch)
         batch = Batch.concat(parts)
-        metrics = reduce_reward_metrics(batch.reward_metrics, prefix="val/reward")
+        metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="val/reward"), "val/reward/timeouts": timeouts}
         for source in sorted(set(batch.data_sources)):
             rows = [i for i, s in enumerate(batch.data_sources) if s == source]
             per_source = {k: [v[i] for i in rows] for k, v in batch.reward_metrics.items()}
             metrics.update(reduce_reward_metrics(per_source, prefix=f"val/{source}"))
         self._write_generations(batch, step)
+        if self.tracker is not None and self.generations_to_log > 0:
+            self.tracker.log_samples(samples(batch, step, self.generations_to_log), step)
         return metrics
 
     def _write_generations(self, batch: Batch, step: int) -> None:
@@ -66,3 +80,19 @@ class Validator:
                     else None,
                 }
                 f.write(json.dumps(row) + "\n")
+
+
+def samples(batch: Batch, step: int, count: int) -> list[ValidationSample]:
+    """The first ``count`` samples of a scored validation batch, images included."""
+    return [
+        ValidationSample(
+            step=step,
+            data_source=batch.data_sources[i],
+            prompt=batch.prompt_texts[i],
+            images=batch.images[i] if batch.images else [],
+            response=batch.response_texts[i],
+            ground_truth=batch.ground_truths[i],
+            scores={k: v[i] for k, v in batch.reward_metrics.items()},
+        )
+        for i in range(min(count, len(batch)))
+    ]

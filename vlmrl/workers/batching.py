@@ -80,5 +80,6 @@ def build_batch(
         data_sources=[g.prompt.data_source for g in generations],
         row_indices=[g.prompt.index for g in generations],
         images=[g.prompt.images for g in generations],
+        extra_fields=[g.prompt.extra for g in generations],
         rollout_log_probs=rollout_log_probs,
     )

@@ -7,8 +7,8 @@ this worker's shard of the batch.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.protocol import Batch, PromptSample
 from vlmrl.workers import actor as actor_passes
+from vlmrl.workers import checkpoint as ckpt
 from vlmrl.workers.batching import build_batch
 from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
 from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
@@ -156,14 +157,32 @@ class FSDPWorker:
     def sync_weights(self) -> float:
         return self.sharding_manager.sync()
 
-    # ------------------------------------------------------------------ save
+    # ----------------------------------------------------------- checkpoints
 
-    def save_hf(self, path: str) -> None:
-        """Write the actor as a HF model directory (with its processor) that vLLM and transformers load."""
-        state = self.sharding_manager.full_state_dict()
+    def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
+        """Collective: the sharded actor (and optimizer) into ``path``/actor, plus its HF config and processor.
+
+        With ``hf_weights`` rank 0 also writes the full weights there as a HF model directory.
+        """
+        actor_dir = Path(path) / "actor"
+        ckpt.save_actor(actor_dir, self.actor, self.optimizer, self.rank, model_only)
+        full = ckpt.full_model_state(self.actor) if hf_weights else None
         if self.rank == 0:
-            start = time.perf_counter()
-            self.actor.save_pretrained(path, state_dict=state)
-            self.processor.save_pretrained(path)
-            print(f"saved HF weights to {path} in {time.perf_counter() - start:.1f}s", flush=True)
+            hf_dir = actor_dir / "huggingface"
+            if full is not None:
+                self.actor.save_pretrained(hf_dir, state_dict=full)
+            else:
+                self.actor.config.save_pretrained(hf_dir)
+                if self.actor.generation_config is not None:
+                    self.actor.generation_config.save_pretrained(hf_dir)
+            self.processor.save_pretrained(hf_dir)
         dist.barrier()
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Collective: restore the actor (and optimizer) from ``path``/actor and resync vLLM.
+
+        Returns whether optimizer state was restored.
+        """
+        restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
+        self.sync_weights()
+        return restored_optimizer

@@ -113,6 +113,7 @@ class VLLMRollout:
         # vLLM's CPU worker forbids torch.set_num_threads after it binds threads and
         # warns at every multimodal request that tries; the warnings carry no news.
         logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
+        self.seed = seed
         self.max_response_length = max_response_length
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
 
@@ -120,7 +121,7 @@ class VLLMRollout:
         """n responses per prompt, in prompt order, each tagged with its prompt's group id."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        base = SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -129,6 +130,14 @@ class VLLMRollout:
             logprobs=0 if sampling.want_log_probs else None,
             allowed_token_ids=self.allowed_token_ids,
         )
+        # Each prompt's samples are seeded by its group id (vLLM gives the i-th of
+        # n samples seed + i), so a step's rollouts do not depend on what the
+        # engine sampled before: a resumed run samples what an uninterrupted one would.
+        params = []
+        for group_id in group_ids:
+            p = base.clone()
+            p.seed = self.seed * 1_000_000_007 + group_id * sampling.n
+            params.append(p)
         requests = [
             {"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}}
             if p.images

@@ -92,5 +92,8 @@ class WorkerGroup:
     def sync_weights(self) -> float:
         return max(ray.get([w.sync_weights.remote() for w in self.workers]))
 
-    def save_hf(self, path: str) -> None:
-        ray.get([w.save_hf.remote(path) for w in self.workers])
+    def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
+        ray.get([w.save_checkpoint.remote(path, model_only, hf_weights) for w in self.workers])
+
+    def load_checkpoint(self, path: str) -> bool:
+        return all(ray.get([w.load_checkpoint.remote(path) for w in self.workers]))

@@ -1,0 +1,196 @@
+"""Checkpoints end to end: exact resume, a crash during a save, SIGTERM, save_limit, val_only and export.
+
+Every run is ``python -m vlmrl.main`` on the tiny quickstart, cut down to
+seconds per step (tests/helpers/runs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics, run_main, tail
+from safetensors.torch import load_file
+
+STEPS = 4
+# What must match between an uninterrupted run and a resumed one.
+COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_assets, tmp_path_factory):
+    """4 steps in one go, saving every 2 steps and keeping only the newest checkpoint."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_main(out, *SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=2", "trainer.save_limit=1")
+    assert proc.returncode == 0, tail(proc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def crashed_then_resumed(tiny_assets, tmp_path_factory):
+    """The same run, killed in the middle of saving step 3, then started again with the same command."""
+    out = tmp_path_factory.mktemp("resumed")
+    args = (*SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=1")
+    crashed = run_main(out, *args, env={"VLMRL_TEST_CRASH_IN_SAVE_AT_STEP": "3"})
+    assert crashed.returncode != 0, "the fault injection should have killed the run"
+    checkpoints = experiment_dir(out) / "checkpoints"
+    debris = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".global_step_3.tmp-"))
+    assert debris, sorted(p.name for p in checkpoints.iterdir())
+    resumed = run_main(out, *args)
+    assert resumed.returncode == 0, tail(resumed)
+    return out, resumed.stdout + resumed.stderr, debris
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(uninterrupted, crashed_then_resumed):
+    resumed_out, _log, _debris = crashed_then_resumed
+    expected, got = read_metrics(uninterrupted), read_metrics(resumed_out)
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        for key in COMPARED:
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+    # Same data order: the resumed steps saw the same prompts, so the same rewards; and
+    # the final weights are the same.
+    final_a = load_file(experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
+    final_b = load_file(experiment_dir(resumed_out) / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
+    for name in final_a:
+        torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_crash_during_a_save_resumes_from_the_previous_complete_checkpoint(crashed_then_resumed):
+    out, log, debris = crashed_then_resumed
+    assert "resumed from" in log and "global_step_2 at step 2" in log
+    # The interrupted save is reported and left in place, never deleted or used.
+    assert "ignoring incomplete" in log
+    checkpoints = experiment_dir(out) / "checkpoints"
+    assert all((checkpoints / name).exists() for name in debris)
+    assert (checkpoints / "global_step_3" / "COMPLETE").is_file()  # saved again by the resumed run
+
+
+def test_save_limit_keeps_only_the_newest_checkpoint(uninterrupted):
+    checkpoints = experiment_dir(uninterrupted) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"global_step_{STEPS}"]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tiny_assets, tmp_path):
+    log = tmp_path / "log.txt"
+    with log.open("w") as sink:  # a file, not a pipe: Ray's output would fill a pipe nobody reads yet
+        proc = subprocess.Popen(
+            main_command(tmp_path, *SMALL, "trainer.max_steps=200"), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT
+        )
+        metrics = experiment_dir(tmp_path) / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "no step finished in time"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-5000:]
+    logged = read_metrics(tmp_path)
+    last = logged[-1]["step"]
+    assert last < 200
+    checkpoint = experiment_dir(tmp_path) / "checkpoints" / f"global_step_{last}"
+    assert (checkpoint / "COMPLETE").is_file(), output[-5000:]
+    assert "stop requested" in output
+
+
+def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(uninterrupted, tiny_assets):
+    checkpoint = experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}"
+    out = uninterrupted / "val_only"
+    proc = run_main(
+        out, *SMALL, f"data.val_files={tiny_assets.val_file}", "trainer.val_only=true",
+        f"trainer.load_checkpoint_path={checkpoint}",
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    logged = read_metrics(out)
+    assert [m["step"] for m in logged] == [STEPS]
+    assert "val/reward/overall" in logged[0] and "actor/pg_loss" not in logged[0]
+    assert not (experiment_dir(out) / "checkpoints").exists()
+
+
+def test_export_writes_the_checkpointed_actor_as_a_hf_model(uninterrupted, tmp_path):
+    checkpoint = experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}"
+    exported = tmp_path / "exported"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmrl.export", str(checkpoint / "actor"), "--output", str(exported)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "processor_config.json"):
+        assert (exported / name).is_file(), name
+    # The weights are the actor's: equal to the full weights the trainer wrote at its last step.
+    weights = load_file(exported / "model.safetensors")
+    reference = load_file(checkpoint / "actor" / "huggingface" / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in weights)
+    # vLLM loads it, and its greedy tokens are the argmax of the exported model's own logits.
+    vllm = subprocess.run(
+        [sys.executable, "tests/helpers/vllm_greedy.py", str(exported), str(_val_file()), "0:6", "1:6"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert vllm.returncode == 0, vllm.stderr[-3000:]
+    greedy = json.loads(next(line for line in vllm.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
+    _assert_hf_argmax_matches(exported, greedy)
+
+
+def _val_file() -> Path:
+    from vlmrl.testing.assets import ensure_tiny_assets
+
+    return ensure_tiny_assets().val_file
+
+
+def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
+    """Teacher-force each greedy response through the HF model; every token must be the argmax."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmrl.config import load_config
+    from vlmrl.data.dataset import RLHFDataset
+    from vlmrl.protocol import PromptSample
+    from vlmrl.workers.actor import merged_mm_inputs
+    from vlmrl.workers.batching import build_batch
+    from vlmrl.workers.rollout import Generation, sampling_mask
+
+    data = load_config(["config=examples/quickstart.yaml"]).data
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dataset = RLHFDataset(
+        str(_val_file()), processor, prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key,
+        image_dir=None, max_prompt_length=data.max_prompt_length, min_pixels=data.min_pixels,
+        max_pixels=data.max_pixels, format_prompt=data.format_prompt,
+    )  # fmt: skip
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    for g in greedy:
+        sample: PromptSample = dataset.sample(g["row"])
+        batch = build_batch(
+            [Generation(sample, 0, g["ids"], "", None)],
+            max_prompt_length=data.max_prompt_length, max_response_length=len(g["ids"]),
+            pad_token_id=processor.tokenizer.pad_token_id, model=model,
+        )  # fmt: skip
+        with torch.no_grad():
+            logits = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids.transpose(0, 1), logits_to_keep=len(g["ids"]) + 1,
+                **merged_mm_inputs(batch),
+            ).logits[0, :-1]  # fmt: skip
+        predicted = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+        assert predicted == g["ids"], (g["row"], predicted, g["ids"])
+
+
+def test_a_resumed_run_continues_its_mlflow_run(crashed_then_resumed):
+    from mlflow import MlflowClient
+
+    out, _log, _debris = crashed_then_resumed
+    experiment = experiment_dir(out)
+    client = MlflowClient(tracking_uri=f"sqlite:///{experiment / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    history = client.get_metric_history(runs[0].info.run_id, "reward/overall")
+    assert sorted({m.step for m in history}) == list(range(1, STEPS + 1))
+    assert runs[0].info.status == "FINISHED"

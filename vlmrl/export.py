@@ -1,0 +1,65 @@
+"""``python -m vlmrl.export <checkpoint>/actor --output DIR``: a checkpoint's actor as a HF model directory.
+
+The sharded (DCP) weights are read in one process, without a process group,
+into a model built from the config saved next to them, and written with
+``save_pretrained`` together with the generation config and the processor, so
+that transformers and vLLM load the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def export(actor_dir: str | Path, output: str | Path) -> Path:
+    actor_dir, output = Path(actor_dir), Path(output)
+    hf_dir = actor_dir / "huggingface"
+    if not (actor_dir / ".metadata").is_file():
+        raise ExportError(f"{actor_dir}: no DCP checkpoint here (expected <checkpoint>/global_step_<k>/actor)")
+    if not (hf_dir / "config.json").is_file():
+        raise ExportError(f"{hf_dir}: the model config saved with the checkpoint is missing")
+    config = AutoConfig.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    model = model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{actor_dir}: weights do not fit the saved config (missing {missing}, unexpected {unexpected})")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output)
+    if (hf_dir / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(hf_dir).save_pretrained(output)
+    AutoProcessor.from_pretrained(hf_dir).save_pretrained(output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("actor_dir", help="a checkpoint's actor directory: <checkpoint dir>/global_step_<k>/actor")
+    parser.add_argument("--output", required=True, help="directory to write the HF model to")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.actor_dir, args.output)
+    except ExportError as e:
+        print(f"vlmrl.export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.actor_dir} to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

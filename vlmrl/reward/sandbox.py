@@ -1,0 +1,297 @@
+"""Reward processes: the user's reward function runs in child processes that can be killed.
+
+A per-call timeout needs something that can be stopped from outside: a thread
+cannot be, and ``signal.alarm`` does not interrupt C code. A crash in user code
+(``os._exit``, a segfault in a C extension) then ends only its process; the
+manager reports it, and a fresh process takes that one's place for the next call.
+
+Each child is ``python -m vlmrl.reward.sandbox READ_FD WRITE_FD``, started with
+``subprocess`` rather than ``multiprocessing`` so that it neither re-imports
+the Ray worker's ``__main__`` (as spawn would) nor inherits its threads (as
+fork would). It loads the function itself, so no function is ever pickled, and
+imports nothing heavy besides the user's module. The protocol, pickled over two
+pipes (the child's stdout and stderr stay free for the user's prints):
+
+* parent -> child: ``{"sys_path", "spec", "kwargs"}`` once, then lists of ``(call_id, payload)``;
+* child -> parent: ``("ready",)`` or ``("failed", message)`` once, then one
+  ``("ok", call_id, value)`` or ``("raised", call_id, message)`` per call, in order.
+
+A child runs the calls of a list one after the other, so the call it is working
+on is always the oldest one not yet answered: that is the one a deadline or a
+death is charged to, and the rest of its list goes back to the queue.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from vlmrl.reward.function import RewardFunctionError, check_kwargs, load_reward_function
+
+START_TIMEOUT_S = 120.0
+"""How long a reward process may take to import the user's module and get ready."""
+
+
+class Status(enum.Enum):
+    ok = "ok"
+    raised = "raised"
+    timed_out = "timed_out"
+    died = "died"
+
+
+@dataclass
+class Outcome:
+    """What one call gave: the returned value (ok) or a description (raised, died)."""
+
+    status: Status
+    value: Any = None
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+class _State(enum.Enum):
+    starting = "starting"
+    idle = "idle"
+    busy = "busy"
+
+
+class _Child:
+    def __init__(self, init: dict):
+        child_read, parent_write = os.pipe()
+        parent_read, child_write = os.pipe()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "vlmrl.reward.sandbox", str(child_read), str(child_write)],
+            pass_fds=(child_read, child_write),
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the user's prints show up even if the call is killed
+            start_new_session=True,  # its own process group: a kill reaches what user code started too
+        )
+        os.close(child_read)
+        os.close(child_write)
+        self.inbox = Connection(parent_read, writable=False)
+        self.outbox = Connection(parent_write, readable=False)
+        self.outbox.send(init)
+        self.state = _State.starting
+        self.deadline = time.monotonic() + START_TIMEOUT_S
+        self.pending: deque[int] = deque()
+        """Call ids sent and not yet answered, oldest (the one running) first."""
+
+    def dispatch(self, call_ids: list[int], payloads: list, timeout: float | None) -> None:
+        self.outbox.send([(i, payloads[i]) for i in call_ids])
+        self.pending.extend(call_ids)
+        self.state = _State.busy
+        self.deadline = time.monotonic() + (timeout if timeout is not None else math.inf)
+
+    def exit_description(self) -> str:
+        try:
+            code = self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return "closed its pipe but is still running"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+        self.inbox.close()
+        self.outbox.close()
+
+
+class Sandbox:
+    """``processes`` reward processes running ``spec``, each call limited to ``timeout`` seconds."""
+
+    def __init__(self, spec: str, kwargs: dict[str, Any], processes: int, timeout: float | None):
+        self.spec, self.timeout, self.processes = spec, timeout, processes
+        self.init = {"sys_path": list(sys.path), "spec": spec, "kwargs": dict(kwargs)}
+        self.children: list[_Child] = []
+
+    def start(self) -> None:
+        """Start the processes and wait until each has loaded the function; raise if one cannot."""
+        while len(self.children) < self.processes:
+            self.children.append(_Child(self.init))
+        while any(c.state is _State.starting for c in self.children):
+            self._wait_and_handle(None, None, None)
+
+    def close(self) -> None:
+        for child in self.children:
+            child.kill()
+        self.children = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit; the processes end with their parent anyway
+            pass
+
+    def run(self, payloads: list, chunk_size: int, stop: Callable[[Outcome], bool]) -> list[Outcome | None]:
+        """``fn(payload, **kwargs)`` for each payload, over the processes; one Outcome per payload.
+
+        Returns early, with None for the calls not made, once ``stop(outcome)`` is true.
+        Whatever happens, no process is left working on a call when this returns.
+        """
+        self.start()
+        n = len(payloads)
+        outcomes: list[Outcome | None] = [None] * n
+        queue = deque(list(range(i, min(i + chunk_size, n))) for i in range(0, n, chunk_size))
+        stopped = False
+        try:
+            while not stopped and (queue or any(c.pending for c in self.children)):
+                for child in self.children:
+                    if child.state is _State.idle and queue:
+                        try:
+                            child.dispatch(queue.popleft(), payloads, self.timeout)
+                        except OSError as e:  # it died between calls (a thread of user code, say)
+                            what = child.exit_description()
+                            self._drop(child)
+                            raise RewardFunctionError(f"a reward process for {self.spec} {what} between calls") from e
+                stopped = self._wait_and_handle(outcomes, queue, stop)
+        finally:
+            self._reset_busy()
+        assert stopped or all(o is not None for o in outcomes), "reward calls were lost"
+        return outcomes
+
+    def _wait_and_handle(self, outcomes, queue, stop) -> bool:
+        """Wait for a message or the earliest deadline and handle what came; True when ``stop`` fired."""
+        live = [c for c in self.children if c.state is not _State.idle]
+        assert live, "waiting with no process starting or busy"
+        timeout = max(0.0, min(c.deadline for c in live) - time.monotonic())
+        ready = wait([c.inbox for c in live], timeout=None if math.isinf(timeout) else timeout)
+        stopped = False
+        for child in live:
+            if child.inbox in ready:
+                try:
+                    message = child.inbox.recv()
+                except (EOFError, OSError):
+                    message = None
+                stopped |= self._handle(child, message, outcomes, queue, stop)
+            elif time.monotonic() >= child.deadline:
+                stopped |= self._expire(child, outcomes, queue, stop)
+        return stopped
+
+    def _handle(self, child: _Child, message, outcomes, queue, stop) -> bool:
+        if child.state is _State.starting:
+            if message == ("ready",):
+                child.state = _State.idle
+                return False
+            what = child.exit_description() if message is None else None
+            self._drop(child)
+            if message is None:
+                raise RewardFunctionError(f"a reward process for {self.spec} {what} while loading it")
+            raise RewardFunctionError(message[1])
+        if message is None:  # died mid-call
+            call_id = child.pending.popleft()
+            outcome = Outcome(Status.died, f"the reward process {child.exit_description()}")
+            self._replace(child, queue)
+        else:
+            kind, call_id, value = message
+            assert call_id == child.pending.popleft(), "reward process answered out of order"
+            outcome = Outcome(Status(kind), value)
+            child.deadline = time.monotonic() + (self.timeout if self.timeout is not None else math.inf)
+            if not child.pending:
+                child.state = _State.idle
+        outcomes[call_id] = outcome
+        return stop(outcome)
+
+    def _expire(self, child: _Child, outcomes, queue, stop) -> bool:
+        if child.state is _State.starting:
+            self._drop(child)
+            raise RewardFunctionError(
+                f"a reward process for {self.spec} did not finish loading it within {START_TIMEOUT_S:.0f} s"
+            )
+        call_id = child.pending.popleft()
+        outcomes[call_id] = Outcome(Status.timed_out)
+        self._replace(child, queue)
+        return stop(outcomes[call_id])
+
+    def _replace(self, child: _Child, queue) -> None:
+        """Kill ``child``, put its unstarted calls back at the front of the queue, and start a fresh process."""
+        if child.pending:
+            queue.appendleft(list(child.pending))
+        self._drop(child)
+        self.children.append(_Child(self.init))
+
+    def _drop(self, child: _Child) -> None:
+        child.kill()
+        self.children.remove(child)
+
+    def _reset_busy(self) -> None:
+        for child in [c for c in self.children if c.state is _State.busy]:
+            child.pending.clear()
+            self._replace(child, None)
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def _exit_with_parent() -> None:
+    """End this process when the manager that started it is gone, even mid-call."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message``, then the traceback from the user's code down."""
+    frames = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
+    return f"{type(e).__name__}: {e}\n{frames.rstrip()}"
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    _exit_with_parent()
+    init = inbox.recv()
+    # The manager's import path, and its working directory as `python -m` would add it.
+    sys.path[:] = init["sys_path"] + ([os.getcwd()] if os.getcwd() not in init["sys_path"] else [])
+    kwargs = init["kwargs"]
+    try:
+        fn, _ = load_reward_function(init["spec"])
+        check_kwargs(fn, init["spec"], kwargs)
+    except RewardFunctionError as e:
+        outbox.send(("failed", str(e)))
+        return
+    outbox.send(("ready",))
+    try:
+        _serve_calls(fn, kwargs, inbox, outbox)
+    except (EOFError, BrokenPipeError):  # the manager closed the pipes or is gone
+        return
+
+
+def _serve_calls(fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection) -> None:
+    while True:
+        calls = inbox.recv()
+        for call_id, payload in calls:
+            try:
+                value = fn(payload, **kwargs)
+            except BaseException as e:  # sys.exit() in user code is a failed call too
+                outbox.send(("raised", call_id, _describe(e)))
+                continue
+            try:
+                outbox.send(("ok", call_id, value))
+            except Exception as e:  # pickling failed before anything was written
+                outbox.send(("raised", call_id, f"it returned a value that cannot be sent back: {_describe(e)}"))
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,158 @@
+"""Driver side of checkpoints: atomic directories, finding the last complete one,
+the trainer's own state, and ``save_limit``.
+
+A save writes everything into a hidden temporary directory next to the final
+one, fsyncs it, renames it to ``global_step_<k>``, and writes the ``COMPLETE``
+marker last. A crash at any point leaves either the previous checkpoints
+untouched plus debris that is never mistaken for a checkpoint, or a complete
+one. Debris is reported and left for the user; nothing is deleted silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def step_of(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    if not match:
+        raise CheckpointError(f"{path}: not a checkpoint directory (expected global_step_<k>)")
+    return int(match.group(1))
+
+
+class CheckpointManager:
+    def __init__(self, root: str, save_limit: int | None = None):
+        self.root = Path(root)
+        self.save_limit = save_limit
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and is_complete(p)]
+        return sorted(found, key=step_of)
+
+    def incomplete(self) -> list[Path]:
+        """Directories a crashed save left behind: temporary ones, and step directories without the marker."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and ((p.name.startswith(".global_step_") and ".tmp-" in p.name) or (_STEP_DIR.match(p.name) and not is_complete(p)))
+        )
+
+    def find_last(self) -> Path | None:
+        for path in self.incomplete():
+            print(f"checkpoint: ignoring incomplete {path} (left by an interrupted save; remove it when you like)", flush=True)
+        complete = self.complete()
+        return complete[-1] if complete else None
+
+    def resume_path(self, load_checkpoint_path: str | None, find_last_checkpoint: bool) -> Path | None:
+        """The checkpoint a run starts from: the named one, else the newest complete one if asked, else none."""
+        if load_checkpoint_path:
+            return Path(load_checkpoint_path)
+        return self.find_last() if find_last_checkpoint else None
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the save of ``step``."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".global_step_{step}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int) -> Path:
+        """Make the save in ``tmp`` the checkpoint of ``step``; then apply save_limit."""
+        final = self.root / f"global_step_{step}"
+        if final.exists():
+            if not is_complete(final):
+                raise CheckpointError(
+                    f"{final} exists without a {MARKER} marker (an interrupted save); move it away to save step {step} again"
+                )
+            # Saving a step twice (e.g. val_only after a resume) replaces the old copy only once the new one is whole.
+            old = self.root / f".global_step_{step}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            shutil.rmtree(old)
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        marker = final / MARKER
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(final)
+        self._apply_limit()
+        return final
+
+    def _apply_limit(self) -> None:
+        if not self.save_limit or self.save_limit < 1:
+            return
+        for path in self.complete()[: -self.save_limit]:
+            # Unmark first: a crash mid-delete leaves an incomplete directory, never a broken "complete" one.
+            (path / MARKER).unlink()
+            shutil.rmtree(path)
+
+
+def save_trainer_state(path: Path, state: dict) -> None:
+    torch.save(state, path / "trainer_state.pt")
+
+
+def load_trainer_state(path: Path) -> dict:
+    return torch.load(path / "trainer_state.pt", weights_only=True)
+
+
+def check_model_matches(checkpoint: Path, model_path: str) -> None:
+    """Fail before any worker starts when the checkpoint holds another architecture than the configured model."""
+    saved_file = checkpoint / "actor" / "huggingface" / "config.json"
+    current_file = Path(model_path) / "config.json"
+    if not saved_file.is_file() or not current_file.is_file():
+        return
+    saved, current = json.loads(saved_file.read_text()), json.loads(current_file.read_text())
+    keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+
+    def pick(cfg: dict) -> dict:
+        text = cfg.get("text_config", {})
+        return {k: cfg.get(k, text.get(k)) for k in keys}
+
+    if pick(saved) != pick(current):
+        differing = {k: (pick(saved)[k], pick(current)[k]) for k in keys if pick(saved)[k] != pick(current)[k]}
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was saved from a different model than "
+            f"worker.actor.model.model_path={model_path}: {differing} (checkpoint, configured). "
+            "Point model_path at the model the run started from, or start a new run."
+        )
