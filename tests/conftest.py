@@ -1,4 +1,18 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+from helpers.runs import (
+    E2E_SAMPLES_LOGGED,
+    E2E_TRAINING,
+    experiment_dir,
+    logging_reward,
+    main_command,
+    run_main,
+    tail,
+)
 
 from vlmrl.testing.assets import TinyAssets, ensure_tiny_assets
 
@@ -7,3 +21,41 @@ from vlmrl.testing.assets import TinyAssets, ensure_tiny_assets
 def tiny_assets() -> TinyAssets:
     """The shared tiny Qwen2.5-VL and synthetic colour data (built once, cached on disk)."""
     return ensure_tiny_assets()
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    assets: TinyAssets
+    output_dir: Path
+    dir: Path
+    args: list[str]
+    log: str
+    reward_log: Path
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tiny_assets, tmp_path_factory) -> E2ERun:
+    """One real run of ``python -m vlmrl.main`` that many tests inspect, so CI pays for it once.
+
+    The tiny quickstart for 4 steps of 4 prompts x 4 samples, validating before
+    training and at the end (2 samples logged), to every logger that needs no
+    extra package, saving every 2 steps and keeping only the newest checkpoint.
+    """
+    tmp = tmp_path_factory.mktemp("e2e")
+    output_dir = tmp / "outputs"
+    overrides = [
+        *E2E_TRAINING,
+        *logging_reward(tmp),
+        "trainer.val_before_train=true",
+        f"trainer.val_generations_to_log={E2E_SAMPLES_LOGGED}",
+        "trainer.logger=[console,file,mlflow,tensorboard]",
+        "trainer.save_freq=2",
+        "trainer.save_limit=1",
+    ]
+    proc = run_main(output_dir, *overrides, experiment="e2e", timeout=900)
+    assert proc.returncode == 0, f"vlmrl.main failed:\n{tail(proc)}"
+    args = main_command(output_dir, *overrides, experiment="e2e")[3:]  # from config=... on
+    return E2ERun(
+        tiny_assets, output_dir, experiment_dir(output_dir, "e2e"), args, proc.stdout + proc.stderr,
+        tmp / "reward_calls.jsonl",
+    )  # fmt: skip

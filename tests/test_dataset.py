@@ -9,7 +9,6 @@ patch tokens) are the same text with the same images in the same order.
 
 import io
 import json
-import math
 from pathlib import Path
 
 import pandas as pd

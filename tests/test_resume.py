@@ -15,49 +15,66 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics, run_main, tail
+from helpers.runs import (
+    E2E_STEPS,
+    E2E_TRAINING,
+    REPO,
+    SMALL,
+    experiment_dir,
+    logging_reward,
+    main_command,
+    read_metrics,
+    run_main,
+    tail,
+)
 from safetensors.torch import load_file
 
-STEPS = 4
+STEPS = E2E_STEPS
 # What must match between an uninterrupted run and a resumed one.
 COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_assets, tmp_path_factory):
-    """4 steps in one go, saving every 2 steps and keeping only the newest checkpoint."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc = run_main(out, *SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=2", "trainer.save_limit=1")
-    assert proc.returncode == 0, tail(proc)
-    return out
+def uninterrupted(e2e_run):
+    """The shared run: 4 steps in one go, saving every 2 steps and keeping only the newest checkpoint."""
+    return e2e_run.output_dir
 
 
 @pytest.fixture(scope="module")
 def crashed_then_resumed(tiny_assets, tmp_path_factory):
-    """The same run, killed in the middle of saving step 3, then started again with the same command."""
-    out = tmp_path_factory.mktemp("resumed")
-    args = (*SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=1")
-    crashed = run_main(out, *args, env={"VLMRL_TEST_CRASH_IN_SAVE_AT_STEP": "3"})
+    """The shared run's training, killed in the middle of saving step 3, then started again with the same command.
+
+    Validation and TensorBoard are left out: they do not change what is trained.
+    """
+    tmp = tmp_path_factory.mktemp("resumed")
+    out = tmp / "outputs"
+    args = (
+        *E2E_TRAINING, *logging_reward(tmp), "data.val_files=", "trainer.val_before_train=false",
+        "trainer.logger=[console,file,mlflow]", "trainer.save_freq=1",
+    )  # fmt: skip
+    crashed = run_main(out, *args, experiment="e2e", env={"VLMRL_TEST_CRASH_IN_SAVE_AT_STEP": "3"})
     assert crashed.returncode != 0, "the fault injection should have killed the run"
-    checkpoints = experiment_dir(out) / "checkpoints"
+    checkpoints = experiment_dir(out, "e2e") / "checkpoints"
     debris = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".global_step_3.tmp-"))
     assert debris, sorted(p.name for p in checkpoints.iterdir())
-    resumed = run_main(out, *args)
+    resumed = run_main(out, *args, experiment="e2e")
     assert resumed.returncode == 0, tail(resumed)
     return out, resumed.stdout + resumed.stderr, debris
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(uninterrupted, crashed_then_resumed):
     resumed_out, _log, _debris = crashed_then_resumed
-    expected, got = read_metrics(uninterrupted), read_metrics(resumed_out)
+    # The shared run also logs its validation before training as step 0.
+    expected = [m for m in read_metrics(uninterrupted, "e2e") if m["step"] > 0]
+    got = read_metrics(resumed_out, "e2e")
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     for e, g in zip(expected, got):
         for key in COMPARED:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
     # Same data order: the resumed steps saw the same prompts, so the same rewards; and
     # the final weights are the same.
-    final_a = load_file(experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
-    final_b = load_file(experiment_dir(resumed_out) / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
+    final_a = load_file(experiment_dir(uninterrupted, "e2e") / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
+    final_b = load_file(experiment_dir(resumed_out, "e2e") / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface" / "model.safetensors")
     for name in final_a:
         torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
 
@@ -65,15 +82,16 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(uninterrupted, crashed_then
 def test_a_crash_during_a_save_resumes_from_the_previous_complete_checkpoint(crashed_then_resumed):
     out, log, debris = crashed_then_resumed
     assert "resumed from" in log and "global_step_2 at step 2" in log
+    assert "training (resumed at step 2)" in log  # the progress bar starts at the resumed step
     # The interrupted save is reported and left in place, never deleted or used.
     assert "ignoring incomplete" in log
-    checkpoints = experiment_dir(out) / "checkpoints"
+    checkpoints = experiment_dir(out, "e2e") / "checkpoints"
     assert all((checkpoints / name).exists() for name in debris)
     assert (checkpoints / "global_step_3" / "COMPLETE").is_file()  # saved again by the resumed run
 
 
 def test_save_limit_keeps_only_the_newest_checkpoint(uninterrupted):
-    checkpoints = experiment_dir(uninterrupted) / "checkpoints"
+    checkpoints = experiment_dir(uninterrupted, "e2e") / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"global_step_{STEPS}"]
 
 
@@ -102,8 +120,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tiny_assets, tmp_path):
 
 
 def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(uninterrupted, tiny_assets):
-    checkpoint = experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}"
-    out = uninterrupted / "val_only"
+    checkpoint = experiment_dir(uninterrupted, "e2e") / "checkpoints" / f"global_step_{STEPS}"
+    out = uninterrupted.parent / "val_only"
     proc = run_main(
         out, *SMALL, f"data.val_files={tiny_assets.val_file}", "trainer.val_only=true",
         f"trainer.load_checkpoint_path={checkpoint}",
@@ -116,7 +134,7 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(uninterrup
 
 
 def test_export_writes_the_checkpointed_actor_as_a_hf_model(uninterrupted, tmp_path):
-    checkpoint = experiment_dir(uninterrupted) / "checkpoints" / f"global_step_{STEPS}"
+    checkpoint = experiment_dir(uninterrupted, "e2e") / "checkpoints" / f"global_step_{STEPS}"
     exported = tmp_path / "exported"
     proc = subprocess.run(
         [sys.executable, "-m", "vlmrl.export", str(checkpoint / "actor"), "--output", str(exported)],
@@ -187,7 +205,7 @@ def test_a_resumed_run_continues_its_mlflow_run(crashed_then_resumed):
     from mlflow import MlflowClient
 
     out, _log, _debris = crashed_then_resumed
-    experiment = experiment_dir(out)
+    experiment = experiment_dir(out, "e2e")
     client = MlflowClient(tracking_uri=f"sqlite:///{experiment / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1, [r.info.run_id for r in runs]

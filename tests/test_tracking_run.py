@@ -1,69 +1,43 @@
-"""What a user sees of a real run: ``python -m vlmrl.main`` for 2 steps on the tiny VLM,
-then its MLflow store (read through ``MlflowClient``), its TensorBoard event
+"""What a user sees of a real run (tests/conftest.py::e2e_run, the tiny VLM for 4 steps):
+its MLflow store (read through ``MlflowClient``), its TensorBoard event
 files and its metrics.jsonl, all checked against each other.
 
-One run is shared by the tests below. It validates before training (step 0)
-and at its last step (2), logging 2 samples each time.
+The run validates before training (step 0) and at its last step, logging 2
+samples each time.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.runs import E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS
 from PIL import Image
 
 from vlmrl.config import load_config, to_dict
 from vlmrl.testing.synthetic import COLOURS
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 2
-SAMPLES_LOGGED = 2
-ARGS = [
-    "config=examples/quickstart.yaml",
-    f"trainer.max_steps={STEPS}",
-    "trainer.experiment_name=tracking",
-    "trainer.logger=[console,file,mlflow,tensorboard]",
-    "trainer.val_before_train=true",
-    f"trainer.val_generations_to_log={SAMPLES_LOGGED}",
-    "data.rollout_batch_size=2",
-    "worker.actor.global_batch_size=2",
-    "worker.actor.micro_batch_size_per_device_for_update=4",
-    "worker.rollout.n=2",
-]
+STEPS = E2E_STEPS
+SAMPLES_LOGGED = E2E_SAMPLES_LOGGED
 VALIDATED_AT = [0, STEPS]
 
 
 @pytest.fixture(scope="module")
-def run(tiny_assets, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("tracking") / "outputs"
-    args = [*ARGS, f"trainer.output_dir={output_dir}"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["VLMRL_CACHE_DIR"] = str(tiny_assets.model_dir.parents[1])
-    proc = subprocess.run(
-        [sys.executable, "-m", "vlmrl.main", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, f"vlmrl.main failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}"
-    experiment = output_dir / "vlmrl" / "tracking"
-
+def run(e2e_run, tmp_path_factory):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{experiment / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{e2e_run.dir / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("vlmrl").experiment_id])
     assert len(runs) == 1
     return {
-        "args": args,
-        "dir": experiment,
+        "args": e2e_run.args,
+        "dir": e2e_run.dir,
         "client": client,
         "mlrun": runs[0],
-        "jsonl": [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()],
-        "log": proc.stdout + proc.stderr,
+        "jsonl": [json.loads(line) for line in (e2e_run.dir / "metrics.jsonl").read_text().splitlines()],
+        "log": e2e_run.log,
         "downloads": tmp_path_factory.mktemp("downloads"),
     }
 
@@ -76,22 +50,22 @@ def mlflow_metrics(run) -> dict[str, dict[int, float]]:
     }
 
 
-def test_the_mlflow_run_holds_every_metric_of_both_steps(run):
+def test_the_mlflow_run_holds_every_metric_of_every_step(run):
     mlrun = run["mlrun"]
-    assert mlrun.info.run_name == "tracking" and mlrun.info.status == "FINISHED"
+    assert mlrun.info.run_name == "e2e" and mlrun.info.status == "FINISHED"
     metrics = mlflow_metrics(run)
     per_step = [
-        "reward/overall", "reward/accuracy", "reward/format", "actor/pg_loss", "actor/kl_loss", "actor/reference_kl",
+        "reward/overall", "reward/overlap", "actor/pg_loss", "actor/kl_loss", "actor/reference_kl",
         "actor/entropy", "response_length/mean",
         "timing_s/gen", "timing_s/reward", "timing_s/old", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
         "timing_s/update_weights", "timing_s/step",
         "perf/throughput", "perf/time_per_step", "perf/total_num_tokens", "perf/mfu", "perf/mfu/actor",
     ]  # fmt: skip
     for key in per_step:
-        assert sorted(metrics.get(key, {})) == [1, 2], key
+        assert sorted(metrics.get(key, {})) == list(range(1, STEPS + 1)), key
     # Validation, overall and per data source and sub-score, before training and at the end.
-    for key in ["val/reward/overall", "val/reward/accuracy", "val/synthetic_colour/overall",
-                "val/synthetic_colour/accuracy", "val/synthetic_colour/format"]:  # fmt: skip
+    for key in ["val/reward/overall", "val/reward/overlap", "val/synthetic_colour/overall",
+                "val/synthetic_colour/overlap"]:  # fmt: skip
         assert sorted(metrics[key]) == VALIDATED_AT, key
     assert sorted(metrics["timing_s/testing"]) == [STEPS]
     for step in (1, 2):
@@ -106,9 +80,9 @@ def test_the_mlflow_run_holds_the_resolved_config_as_parameters_and_as_a_file(ru
     config = load_config(run["args"])
     params = run["mlrun"].data.params
     assert params["trainer.max_steps"] == str(STEPS)
-    assert params["worker.rollout.n"] == "2" and params["data.rollout_batch_size"] == "2"
+    assert params["worker.rollout.n"] == str(E2E_N) and params["data.rollout_batch_size"] == str(E2E_PROMPTS)
     assert params["worker.actor.model.model_path"] == config.worker.actor.model.model_path  # resolved ${tiny:...}
-    assert params["plan.samples_per_step"] == "4"
+    assert params["plan.samples_per_step"] == str(E2E_PROMPTS * E2E_N)
     path = run["client"].download_artifacts(run["mlrun"].info.run_id, "config.yaml", str(run["downloads"]))
     assert to_dict(load_config([f"config={path}"])) == to_dict(config)
 
@@ -120,7 +94,7 @@ def test_the_sample_table_shows_each_response_with_its_image(run):
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert [r["step"] for r in rows] == [s for s in VALIDATED_AT for _ in range(SAMPLES_LOGGED)]
     for r in rows:
-        assert {"prompt", "response", "ground_truth", "reward", "score/accuracy", "score/format"} <= r.keys()
+        assert {"prompt", "response", "ground_truth", "reward", "score/overlap"} <= r.keys()
         assert "What colour is the shape?" in r["prompt"]
         image_file = client.download_artifacts(run_id, r["image"]["filepath"], str(run["downloads"]))
         with Image.open(image_file) as image:
@@ -162,7 +136,7 @@ def test_tensorboard_holds_the_same_scalars(run):
 
 def test_the_json_lines_file_has_one_line_per_step_with_the_same_numbers(run):
     lines = run["jsonl"]
-    assert [line["step"] for line in lines] == [0, 1, 2]  # step 0: validation before training
+    assert [line["step"] for line in lines] == list(range(0, STEPS + 1))  # step 0: validation before training
     metrics = mlflow_metrics(run)
     for line in lines:
         step = line["step"]
@@ -174,7 +148,7 @@ def test_the_json_lines_file_has_one_line_per_step_with_the_same_numbers(run):
 
 def test_console_shows_a_line_per_step_the_progress_bar_and_the_device_peak(run):
     log = run["log"]
-    for step in (0, 1, 2):
+    for step in range(0, STEPS + 1):
         assert f"step {step} | " in log
     assert "perf: device cpu" in log and "GFLOP/s (measured" in log
     assert re.search(r"training: 100%.*\[\d\d:\d\d<00:00", log)  # the bar's last state, with its ETA

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,11 +31,15 @@ def main_command(output_dir: Path, *overrides: str, experiment: str = "run") -> 
 
 
 def run_main(output_dir: Path, *overrides: str, experiment: str = "run", env: dict | None = None, timeout: int = 600):
-    """Run to completion; return the CompletedProcess (the caller checks returncode)."""
+    """Run to completion; return the CompletedProcess (the caller checks returncode).
+
+    A user's MLFLOW_TRACKING_URI is dropped: test runs use their embedded store.
+    """
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run(
         main_command(output_dir, *overrides, experiment=experiment),
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        env={**base, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -52,3 +57,44 @@ def read_metrics(output_dir: Path, experiment: str = "run") -> list[dict]:
 
 def tail(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+
+
+# Graded, not exact-match, so that a random policy's groups have reward variance
+# and the update has a gradient from the first step. Every call is appended to
+# log_path so tests can see what the function was given.
+LOGGING_REWARD = textwrap.dedent(
+    """
+    import json
+
+    def compute_score(reward_input, log_path, **quickstart_kwargs):
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"response": reward_input["response"],
+                                "ground_truth": reward_input["ground_truth"]}) + "\\n")
+        response, truth = reward_input["response"].lower(), reward_input["ground_truth"].lower()
+        overlap = len(set(response) & set(truth)) / len(set(truth))
+        return {"overall": overlap, "overlap": overlap}
+    """
+)
+
+E2E_STEPS = 4
+E2E_PROMPTS = 4
+E2E_N = 4
+E2E_SAMPLES_LOGGED = 2
+# The training settings of the shared run; a run that must repeat its training
+# (the resume tests) uses exactly these.
+E2E_TRAINING = [
+    f"trainer.max_steps={E2E_STEPS}",
+    f"data.rollout_batch_size={E2E_PROMPTS}",
+    f"worker.actor.global_batch_size={E2E_PROMPTS}",
+    "worker.actor.micro_batch_size_per_device_for_update=8",
+    f"worker.rollout.n={E2E_N}",
+]
+
+
+def logging_reward(tmp: Path) -> list[str]:
+    """Overrides that plug in the logging reward, writing its calls to tmp/reward_calls.jsonl."""
+    (tmp / "reward.py").write_text(LOGGING_REWARD)
+    return [
+        f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
+        f"worker.reward.reward_function_kwargs.log_path={tmp / 'reward_calls.jsonl'}",
+    ]

@@ -189,21 +189,21 @@ class ProgressBar:
 
     Ray's ``tqdm_ray`` draws it: from inside an actor (the Runner) it sends the
     bar's state to the driver, which draws it and keeps the actors' log lines
-    from tearing it. A resumed run's bar counts the steps left, so the ETA comes
-    from this process's pace only.
+    from tearing it. A resumed run's bar starts at the step it resumed from,
+    out of the run's total.
     """
 
     def __init__(self, total_steps: int, start_step: int = 0):
         from ray.experimental.tqdm_ray import tqdm
 
-        self.start_step = start_step
-        desc = f"training steps {start_step + 1}-{total_steps}" if start_step else "training"
-        self.bar = tqdm(total=total_steps - start_step, desc=desc, unit="step", flush_interval_s=0)
+        desc = f"training (resumed at step {start_step})" if start_step else "training"
+        self.bar = tqdm(total=total_steps, desc=desc, unit="step", flush_interval_s=0)
+        self.bar.n = start_step
         self.bar.refresh()
 
     def update(self, step: int) -> None:
         """The run has finished ``step``."""
-        self.bar.n = step - self.start_step
+        self.bar.n = step
         self.bar.refresh()
 
     def close(self) -> None:
