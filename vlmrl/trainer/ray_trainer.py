@@ -96,16 +96,16 @@ class RayPPOTrainer:
             epoch, done_in_epoch = epoch + 1, 0
 
     def fit(self) -> None:
-        step = self._resume()
+        start_step = self._resume()
         if self.config.trainer.val_only:
             if self.validator is not None:
-                self.tracker.log(self.validator.run(step), step)
+                self.tracker.log(self.validator.run(start_step), start_step)
             self.tracker.close()
             return
-        if self.config.trainer.val_before_train and self.validator is not None and step == 0:
-            self.tracker.log(self.validator.run(step), step)
-        progress = ProgressBar(self.total_steps, start_step=step)
-        for step, prompts in self._steps(step):
+        if self.config.trainer.val_before_train and self.validator is not None and start_step == 0:
+            self.tracker.log(self.validator.run(0), 0)
+        progress = ProgressBar(self.total_steps, start_step=start_step)
+        for step, prompts in self._steps(start_step):
             timings: dict[str, float] = {}
             with timer("step", timings):
                 # 1. Rollout: n samples per prompt, images included.
