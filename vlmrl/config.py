@@ -144,6 +144,8 @@ class RolloutConfig:
     dtype: DType = DType.bfloat16
     gpu_memory_utilization: float = 0.6
     enforce_eager: bool = False
+    ignore_eos: bool = False
+    """Training rollouts always run to max_response_length (validation still stops at EOS)."""
     max_num_batched_tokens: int = 8192
     cpu_kvcache_space_gb: int = 1
     """KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""

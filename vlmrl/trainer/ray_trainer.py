@@ -61,12 +61,16 @@ class RayPPOTrainer:
         self.next_group_id = 0
         rollout = config.worker.rollout
         self.train_sampling = SamplingOverrides(
-            n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k
+            n=rollout.n,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            ignore_eos=rollout.ignore_eos,
         )
         self.validator = None
         if val_loader is not None:
             val_sampling = dataclasses.replace(
-                self.train_sampling, **{"n": 1, "temperature": 0.0, **rollout.val_override_config}
+                self.train_sampling, **{"n": 1, "temperature": 0.0, "ignore_eos": False, **rollout.val_override_config}
             )
             self.validator = Validator(
                 workers, scorers.val, val_loader, val_sampling, plan.experiment_dir, config.trainer.val_generations_to_log,

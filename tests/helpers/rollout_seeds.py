@@ -1,0 +1,50 @@
+"""Generate twice with vlmrl's VLLMRollout on more prompt tokens than one engine step holds; print JSON.
+
+Run as a subprocess by tests/test_rollout.py (vLLM patches torch's thread
+settings process-wide, so it stays out of the pytest process).
+"""
+
+import json
+import os
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from transformers import AutoProcessor  # noqa: E402
+
+from vlmrl.config import load_config  # noqa: E402
+from vlmrl.data.dataset import RLHFDataset  # noqa: E402
+from vlmrl.testing.assets import ensure_tiny_assets  # noqa: E402
+from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask  # noqa: E402
+
+PROMPTS = 24
+
+
+def main() -> None:
+    assets = ensure_tiny_assets()
+    data = load_config(["config=examples/quickstart.yaml"]).data
+    processor = AutoProcessor.from_pretrained(assets.model_dir)
+    dataset = RLHFDataset(
+        str(assets.train_file), processor, prompt_key=data.prompt_key, answer_key=data.answer_key,
+        image_key=data.image_key, image_dir=None, max_prompt_length=data.max_prompt_length,
+        min_pixels=data.min_pixels, max_pixels=data.max_pixels, format_prompt=data.format_prompt,
+    )  # fmt: skip
+    prompts = [dataset[i] for i in range(PROMPTS)]
+    max_model_len = data.max_prompt_length + data.max_response_length
+    rollout = VLLMRollout(
+        str(assets.model_dir), dtype="float32", seed=1, max_model_len=max_model_len,
+        # One engine step holds far fewer tokens than the 24 prompts (~60 tokens each).
+        max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5,
+        cpu_kvcache_space_gb=1, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
+        max_response_length=data.max_response_length,
+        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
+    )  # fmt: skip
+    sampling = SamplingOverrides(n=2, temperature=1.0, want_log_probs=False)
+    ids = list(range(PROMPTS))
+    first = rollout.generate(prompts, ids, sampling)
+    again = rollout.generate(prompts, ids, sampling)
+    shifted = rollout.generate(prompts, [i + 1000 for i in ids], sampling)
+    print("RESULT " + json.dumps({k: [g.token_ids for g in v] for k, v in [("first", first), ("again", again), ("shifted", shifted)]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The step benchmark runs end to end at a tiny shape and reports every number.
+
+Only the report's shape is checked: timings depend on the machine and are never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FIELDS = (
+    "vlmrl_step_s",
+    "vlmrl_response_length_mean",
+    "vlmrl_samples_per_s",
+    "raw_gen_s",
+    "raw_logprob_old_s",
+    "raw_logprob_ref_s",
+    "raw_update_s",
+    "raw_state_dict_copy_s",
+    "raw_total_s",
+    "overhead",
+    "padding_share",
+    "raw_gen_tokens_per_s",
+    "vlmrl_gen_tokens_per_s",
+    "rollout_efficiency",
+    "resync_share",
+)
+
+
+def test_step_benchmark_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step", "--smoke", f"--out={tmp_path}"],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "step_smoke.json").read_text())
+    for name in FIELDS:
+        assert isinstance(report[name], (int, float)) and math.isfinite(report[name]), (name, report.get(name))
+    for name in ("step", "gen", "old", "ref", "update_actor", "update_weights"):
+        assert math.isfinite(report["vlmrl_timing_s"][name]), name
+    for phase in report["phase_s_vlmrl_vs_raw"].values():
+        assert math.isfinite(phase["vlmrl"]) and math.isfinite(phase["raw"])
+    assert report["peak_rss_mib"] and all(v > 0 for v in report["peak_rss_mib"].values())
+    assert 0.0 <= report["padding_share"] < 1.0
+    assert (tmp_path / "step_smoke.md").read_text().startswith("Shape:")
