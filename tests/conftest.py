@@ -59,3 +59,18 @@ def e2e_run(tiny_assets, tmp_path_factory) -> E2ERun:
         tiny_assets, output_dir, experiment_dir(output_dir, "e2e"), args, proc.stdout + proc.stderr,
         tmp / "reward_calls.jsonl",
     )  # fmt: skip
+
+
+@pytest.fixture
+def manager():
+    """Build managers that are closed (their reward processes stopped) after the test."""
+    built = []
+
+    def build(cls, spec, kwargs=None, **options):
+        m = cls(spec, kwargs, **options)
+        built.append(m)
+        return m
+
+    yield build
+    for m in built:
+        m.close()

@@ -49,21 +49,6 @@ def package(tmp_path, monkeypatch):
     return write
 
 
-@pytest.fixture
-def manager():
-    """Build managers that are closed (their reward processes stopped) after the test."""
-    built = []
-
-    def build(cls, spec, kwargs=None, **options):
-        m = cls(spec, kwargs, **options)
-        built.append(m)
-        return m
-
-    yield build
-    for m in built:
-        m.close()
-
-
 def inputs(*responses: str) -> list[dict]:
     return [
         {

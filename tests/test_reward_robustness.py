@@ -58,20 +58,6 @@ def spec(tmp_path):
     return f"{path}:score"
 
 
-@pytest.fixture
-def manager():
-    built = []
-
-    def build(cls, spec, kwargs=None, **options):
-        m = cls(spec, kwargs, **options)
-        built.append(m)
-        return m
-
-    yield build
-    for m in built:
-        m.close()
-
-
 def sub_scores_without_pid(result: RewardResult) -> RewardResult:
     return RewardResult(result.overall, {k: v for k, v in result.sub_scores.items() if k != "pid"}, result.timeouts)
 
