@@ -36,8 +36,10 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "AdvantageEstimator",
+    "KLControllerType",
     "KLEstimator",
     "LossAvgMode",
+    "PolicyLossType",
     "aggregate_loss",
     "entropy_from_logits",
     "grpo_advantages",
@@ -66,6 +68,16 @@ class AdvantageEstimator(_ConfigEnum):
     """Group-normalised reward; ``norm_adv_by_std=False`` gives Dr.GRPO."""
     rloo = "rloo"
     """REINFORCE with a leave-one-out group baseline."""
+    grpo_passk = "grpo_passk"
+    """GRPO for pass@k: only the best sample of a group gets a positive advantage."""
+    reinforce_plus_plus = "reinforce_plus_plus"
+    """REINFORCE++: discounted token returns, whitened over the batch."""
+    reinforce_plus_plus_baseline = "reinforce_plus_plus_baseline"
+    """REINFORCE++ with the group mean subtracted before batch whitening."""
+    remax = "remax"
+    """ReMax: the reward of a greedy rollout of the same prompt is the baseline."""
+    gae = "gae"
+    """PPO's generalised advantage estimation with a learned critic."""
 
 
 class LossAvgMode(_ConfigEnum):
@@ -75,6 +87,36 @@ class LossAvgMode(_ConfigEnum):
     seq_mean_token_mean = "seq_mean_token_mean"
     seq_mean_token_sum = "seq_mean_token_sum"
     seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LossAvgMode:
+        # EasyR1 spells the first two modes "token" and "seq"; its YAMLs load unchanged.
+        aliases = {"token": cls.token_mean, "seq": cls.seq_mean_token_mean}
+        if value in aliases:
+            return aliases[value]
+        return super()._missing_(value)
+
+
+class PolicyLossType(_ConfigEnum):
+    """The per-token policy objective (``worker.actor.loss_type``)."""
+
+    default = "default"
+    """PPO-clip with asymmetric (clip-higher) and dual clipping."""
+    gspo = "gspo"
+    """GSPO: a clipped sequence-level (length-normalised) importance ratio."""
+    gspo_token = "gspo_token"
+    """GSPO-token: the sequence ratio with per-token gradients."""
+    cispo = "cispo"
+    """CISPO: REINFORCE weighted by the clipped, detached importance ratio."""
+    sapo = "sapo"
+    """SAPO: a smooth, temperature-controlled gate instead of a hard clip."""
+
+
+class KLControllerType(_ConfigEnum):
+    """How the coefficient of a KL penalty folded into the reward evolves (``algorithm.kl_type``)."""
+
+    fixed = "fixed"
+    adaptive = "adaptive"
 
 
 class KLEstimator(_ConfigEnum):
