@@ -28,6 +28,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from vlmrl.data.options import BadSamplePolicy
 from vlmrl.plan import world_size
 from vlmrl.reward.function import RewardFunctionError, load_reward_function
 from vlmrl.reward.options import RewardManagerType, TimeoutPolicy
@@ -77,6 +78,16 @@ class DataConfig:
     min_pixels: int = 262144
     max_pixels: int = 4194304
     filter_overlong_prompts: bool = True
+    video_key: str = "videos"
+    """Column of a row's videos: a video file, or a list of videos, each a file or a list of frames."""
+    video_fps: float = 2.0
+    """Frames per second sampled from each video file."""
+    filter_overlong_prompts_workers: int = 1
+    """Processes that check the rows (length after image and video tokens, readability) at start-up."""
+    on_bad_sample: BadSamplePolicy = BadSamplePolicy.error
+    """vlmrl addition: a row that cannot be used (unreadable image or video, placeholder count that does
+    not match, empty prompt, missing answer) stops the run (error), or is left out, counted and logged
+    with its file and row (skip)."""
 
 
 @dataclass
