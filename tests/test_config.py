@@ -25,16 +25,19 @@ from vlmrl.config import (
     RewardManagerType,
     TrainerConfig,
     load_config,
+    parse_config,
     to_dict,
     validate,
 )
 from vlmrl.main import main
-from vlmrl.plan import Plan, resolve, world_size
+from vlmrl.plan import Cluster, resolve, world_size
 from vlmrl.trainer.core_algos import AdvantageEstimator
 from vlmrl.trainer.tracking import logger_problems
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = "config=examples/quickstart.yaml"
+CPU = Cluster(gpus=0, cpus=2)
+GPUS = Cluster(gpus=8, cpus=64)
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +47,9 @@ def _in_repo(monkeypatch, tiny_assets):
     monkeypatch.chdir(REPO)
 
 
-def problems_of(*args: str) -> list[str]:
+def problems_of(*args: str, cluster: Cluster = CPU) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load_config(list(args))
+        load_config(list(args), cluster)
     return info.value.problems
 
 
@@ -78,11 +81,17 @@ def test_quickstart_loads_with_its_values_and_tiny_assets(tiny_assets):
 
 def test_yaml_beats_defaults_and_cli_beats_yaml():
     defaults = Config()
-    config = load_config([QUICKSTART, "trainer.max_steps=3", "worker.rollout.temperature=0.5"])
-    assert config.data.rollout_batch_size == 16 != defaults.data.rollout_batch_size  # from YAML
+    config = load_config(
+        [QUICKSTART, "trainer.max_steps=3", "worker.rollout.temperature=0.5"]
+    )
+    assert (
+        config.data.rollout_batch_size == 16 != defaults.data.rollout_batch_size
+    )  # from YAML
     assert config.trainer.max_steps == 3  # CLI over YAML's 20
     assert config.worker.rollout.temperature == 0.5  # CLI over YAML's 1.0
-    assert config.worker.actor.ppo_epochs == defaults.worker.actor.ppo_epochs  # in neither: default
+    assert (
+        config.worker.actor.ppo_epochs == defaults.worker.actor.ppo_epochs
+    )  # in neither: default
 
 
 def test_cli_override_wins_even_when_written_before_config():
@@ -91,7 +100,10 @@ def test_cli_override_wins_even_when_written_before_config():
 
 def test_cli_merges_into_a_yaml_mapping_instead_of_replacing_it():
     config = load_config([QUICKSTART, "worker.reward.reward_function_kwargs.extra=2"])
-    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.1, "extra": 2}
+    assert config.worker.reward.reward_function_kwargs == {
+        "format_weight": 0.1,
+        "extra": 2,
+    }
 
 
 def test_cli_values_are_typed_like_yaml():
@@ -109,11 +121,15 @@ def test_cli_values_are_typed_like_yaml():
     assert config.worker.actor.optim.betas == [0.9, 0.99]
     assert config.trainer.max_steps is None
     assert config.trainer.experiment_name == "123"
-    assert config.algorithm.kl_coef == 1.0 and isinstance(config.algorithm.kl_coef, float)
+    assert config.algorithm.kl_coef == 1.0 and isinstance(
+        config.algorithm.kl_coef, float
+    )
 
 
 def test_missing_yaml_file_is_a_config_error():
-    assert problems_of("config=examples/nope.yaml") == ["config=examples/nope.yaml: no such file"]
+    assert problems_of("config=examples/nope.yaml") == [
+        "config=examples/nope.yaml: no such file"
+    ]
 
 
 def test_a_saved_config_loads_back_equal(tmp_path):
@@ -138,7 +154,12 @@ def test_one_call_reports_every_problem_each_naming_its_key():
     assert len(problems) == 4, problems
     unknown, enum_bad, wrong_type, invariant = (
         next(p for p in problems if p.startswith(key))
-        for key in ("data.shufle", "algorithm.adv_estimator", "trainer.total_epochs", "data.rollout_batch_size")
+        for key in (
+            "data.shufle",
+            "algorithm.adv_estimator",
+            "trainer.total_epochs",
+            "data.rollout_batch_size",
+        )
     )
     assert "unknown key" in unknown and "did you mean data.shuffle?" in unknown
     assert "'ppo'" in enum_bad and "grpo" in enum_bad and "rloo" in enum_bad
@@ -171,11 +192,17 @@ def test_unknown_key_with_no_close_match_lists_the_valid_keys():
     ("override", "expected"),
     [
         ("data.seed=1.5", "data.seed=1.5: expected an integer"),
-        ("data.max_prompt_length=true", "data.max_prompt_length=True: expected an integer"),
+        (
+            "data.max_prompt_length=true",
+            "data.max_prompt_length=True: expected an integer",
+        ),
         ("data.shuffle=3", "data.shuffle=3: expected true or false"),
         ("worker.actor.optim.lr=abc", "worker.actor.optim.lr='abc': expected a number"),
         ("trainer.logger=console", "trainer.logger: expected a list"),
-        ("worker.reward.reward_function_kwargs=3", "worker.reward.reward_function_kwargs: expected a mapping"),
+        (
+            "worker.reward.reward_function_kwargs=3",
+            "worker.reward.reward_function_kwargs: expected a mapping",
+        ),
         ("worker.actor=3", "worker.actor: expected a mapping"),
     ],
 )
@@ -256,17 +283,24 @@ def test_enum_field_walk_finds_the_known_enum_fields():
 )
 def test_every_enum_field_accepts_each_of_its_string_values(key, member, is_list):
     if key == "trainer.logger" and logger_problems([member]):
-        pytest.skip(f"{member.value} needs a package that is not installed here (test_tracking.py checks that error)")
+        pytest.skip(
+            f"{member.value} needs a package that is not installed here (test_tracking.py checks that error)"
+        )
     value = f"[{member.value}]" if is_list else member.value
-    got = get(load_config([QUICKSTART, f"{key}={value}"]), key)
+    # parse_config: some values parse but are not supported yet (validate says so; tested below).
+    got = get(parse_config([QUICKSTART, f"{key}={value}"]), key)
     if is_list:
         assert got == [member] and type(got[0]) is type(member)
     else:
         assert got is member
 
 
-@pytest.mark.parametrize(("key", "cls", "is_list"), ENUM_FIELDS, ids=[k for k, _, _ in ENUM_FIELDS])
-def test_every_enum_field_rejects_an_unknown_value_listing_the_options(key, cls, is_list):
+@pytest.mark.parametrize(
+    ("key", "cls", "is_list"), ENUM_FIELDS, ids=[k for k, _, _ in ENUM_FIELDS]
+)
+def test_every_enum_field_rejects_an_unknown_value_listing_the_options(
+    key, cls, is_list
+):
     value = "[nope]" if is_list else "nope"
     (problem,) = problems_of(QUICKSTART, f"{key}={value}")
     assert problem.startswith(key) and "'nope'" in problem
@@ -277,12 +311,27 @@ def test_every_enum_field_rejects_an_unknown_value_listing_the_options(key, cls,
 def test_adv_estimator_string_becomes_the_enum():
     config = load_config([QUICKSTART, "algorithm.adv_estimator=grpo"])
     assert config.algorithm.adv_estimator is AdvantageEstimator.grpo
-    assert load_config([QUICKSTART, "algorithm.adv_estimator=rloo"]).algorithm.adv_estimator is AdvantageEstimator.rloo
+    assert (
+        load_config(
+            [QUICKSTART, "algorithm.adv_estimator=rloo"]
+        ).algorithm.adv_estimator
+        is AdvantageEstimator.rloo
+    )
 
 
 def test_optional_enum_accepts_null():
-    assert load_config([QUICKSTART, "worker.reward.reward_type=null"]).worker.reward.reward_type is None
-    assert load_config([QUICKSTART, "worker.reward.reward_type=batch"]).worker.reward.reward_type is RewardManagerType.batch
+    assert (
+        load_config(
+            [QUICKSTART, "worker.reward.reward_type=null"]
+        ).worker.reward.reward_type
+        is None
+    )
+    assert (
+        load_config(
+            [QUICKSTART, "worker.reward.reward_type=batch"]
+        ).worker.reward.reward_type
+        is RewardManagerType.batch
+    )
 
 
 # --------------------------------------------------------------------------- invariants
@@ -293,24 +342,36 @@ def test_optional_enum_accepts_null():
     [
         pytest.param(
             ["data.rollout_batch_size=24"],
-            ["data.rollout_batch_size=24 is not a multiple of worker.actor.global_batch_size=16"],
+            [
+                "data.rollout_batch_size=24 is not a multiple of worker.actor.global_batch_size=16"
+            ],
             id="rollout-not-multiple-of-global",
         ),
         pytest.param(
             # global 16 x n 8 / 1 worker = 128 samples per worker per update; 48 does not divide 128
             ["worker.actor.micro_batch_size_per_device_for_update=48"],
-            ["worker.actor.micro_batch_size_per_device_for_update=48 does not divide the 128 samples"],
+            [
+                "worker.actor.micro_batch_size_per_device_for_update=48 does not divide the 128 samples"
+            ],
             id="micro-does-not-divide-per-worker",
         ),
         pytest.param(
             # 2 workers: 16 x 8 / 2 = 64 samples per worker per update, fewer than one micro-batch of 128
-            ["trainer.n_gpus_per_node=2", "worker.actor.micro_batch_size_per_device_for_update=128"],
-            ["worker.actor.micro_batch_size_per_device_for_update=128 does not divide the 64 samples"],
+            [
+                "trainer.n_gpus_per_node=2",
+                "worker.actor.micro_batch_size_per_device_for_update=128",
+            ],
+            [
+                "worker.actor.micro_batch_size_per_device_for_update=128 does not divide the 64 samples"
+            ],
             id="micro-larger-than-per-worker",
         ),
         pytest.param(
             # 16 x 8 = 128 samples over 3 workers; per worker 128 // 3 = 42, which micro 2 divides
-            ["trainer.n_gpus_per_node=3", "worker.actor.micro_batch_size_per_device_for_update=2"],
+            [
+                "trainer.n_gpus_per_node=3",
+                "worker.actor.micro_batch_size_per_device_for_update=2",
+            ],
             [
                 "data.rollout_batch_size x worker.rollout.n = 128 samples do not split evenly over 3 worker(s)",
                 "worker.actor.global_batch_size x worker.rollout.n = 128 samples do not split evenly over 3 worker(s)",
@@ -319,31 +380,69 @@ def test_optional_enum_accepts_null():
         ),
         pytest.param(
             # n=1: 16 per worker, so micro 16 keeps the divisibility check quiet
-            ["worker.rollout.n=1", "worker.actor.micro_batch_size_per_device_for_update=16"],
-            ["worker.rollout.n=1: grpo compares samples within a group, so it needs n >= 2"],
+            [
+                "worker.rollout.n=1",
+                "worker.actor.micro_batch_size_per_device_for_update=16",
+            ],
+            [
+                "worker.rollout.n=1: grpo compares samples within a group, so it needs n >= 2"
+            ],
             id="grpo-needs-n-2",
         ),
         pytest.param(
-            ["worker.rollout.n=1", "worker.actor.micro_batch_size_per_device_for_update=16", "algorithm.adv_estimator=rloo"],
+            [
+                "worker.rollout.n=1",
+                "worker.actor.micro_batch_size_per_device_for_update=16",
+                "algorithm.adv_estimator=rloo",
+            ],
             ["worker.rollout.n=1: rloo compares samples within a group"],
             id="rloo-needs-n-2",
         ),
         pytest.param(
             ["worker.rollout.n=0"],
-            ["worker.rollout.n=0: must be at least 1", "worker.rollout.n=0: grpo compares"],
+            [
+                "worker.rollout.n=0: must be at least 1",
+                "worker.rollout.n=0: grpo compares",
+            ],
             id="n-zero",
         ),
-        pytest.param(["worker.actor.ppo_epochs=0"], ["worker.actor.ppo_epochs=0: must be at least 1"], id="ppo-epochs"),
-        pytest.param(["trainer.max_steps=0"], ["trainer.max_steps=0: must be at least 1, or unset"], id="max-steps"),
+        pytest.param(
+            ["worker.actor.ppo_epochs=0"],
+            ["worker.actor.ppo_epochs=0: must be at least 1"],
+            id="ppo-epochs",
+        ),
+        pytest.param(
+            ["trainer.max_steps=0"],
+            ["trainer.max_steps=0: must be at least 1, or unset"],
+            id="max-steps",
+        ),
         pytest.param(
             ["data.min_pixels=20000", "data.max_pixels=10000"],
             ["data.min_pixels=20000 > data.max_pixels=10000"],
             id="pixels-swapped",
         ),
-        pytest.param(["worker.actor.clip_ratio_low=1.5"], ["worker.actor.clip_ratio_low=1.5: must be in (0, 1)"], id="clip-low"),
-        pytest.param(["worker.actor.clip_ratio_dual=1.0"], ["worker.actor.clip_ratio_dual=1.0: must be greater than 1"], id="clip-dual"),
-        pytest.param(["worker.actor.optim.betas=[0.9]"], ["worker.actor.optim.betas=[0.9]: give two numbers"], id="betas"),
-        pytest.param(["algorithm.use_kl_loss=false"], ["algorithm.use_kl_loss=false with KL enabled"], id="kl-reward-penalty"),
+        pytest.param(
+            ["worker.actor.clip_ratio_low=1.5"],
+            ["worker.actor.clip_ratio_low=1.5: must be in (0, 1)"],
+            id="clip-low",
+        ),
+        pytest.param(
+            ["worker.actor.clip_ratio_dual=1.0"],
+            ["worker.actor.clip_ratio_dual=1.0: must be greater than 1"],
+            id="clip-dual",
+        ),
+        pytest.param(
+            ["worker.actor.optim.betas=[0.9]"],
+            ["worker.actor.optim.betas=[0.9]: give two numbers"],
+            id="betas",
+        ),
+        pytest.param(
+            ["algorithm.use_kl_loss=false"],
+            [
+                "algorithm.use_kl_loss=false (a KL penalty in the reward): not supported by vlmrl yet"
+            ],
+            id="kl-reward-penalty",
+        ),
     ],
 )
 def test_invariant_violations_are_reported_with_values(overrides, expected):
@@ -353,8 +452,13 @@ def test_invariant_violations_are_reported_with_values(overrides, expected):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["trainer.n_gpus_per_node=2"],  # 64 samples per worker per update; micro 32 divides it
-        ["trainer.n_gpus_per_node=4", "worker.actor.micro_batch_size_per_device_for_update=8"],  # 32 per worker
+        [
+            "trainer.n_gpus_per_node=2"
+        ],  # 64 samples per worker per update; micro 32 divides it
+        [
+            "trainer.n_gpus_per_node=4",
+            "worker.actor.micro_batch_size_per_device_for_update=8",
+        ],  # 32 per worker
         ["algorithm.use_kl_loss=false", "algorithm.disable_kl=true"],
         ["data.rollout_batch_size=48"],  # 3 mini-batches of 16 prompts
     ],
@@ -377,10 +481,15 @@ def test_unknown_tiny_asset_is_a_config_error_listing_the_assets(tmp_path):
     path.write_text("data:\n  train_files: ${tiny:bogus}\n")
     with pytest.raises(ConfigError) as info:
         load_config([f"config={path}"])
-    assert any("${tiny:bogus}" in p and "model_dir, train_file, val_file" in p for p in info.value.problems)
+    assert any(
+        "${tiny:bogus}" in p and "model_dir, train_file, val_file" in p
+        for p in info.value.problems
+    )
 
 
-@pytest.mark.parametrize("arg", ["worker.actor.optim.lr=${oops}", "data.train_files=[a"])
+@pytest.mark.parametrize(
+    "arg", ["worker.actor.optim.lr=${oops}", "data.train_files=[a"]
+)
 def test_main_reports_malformed_values_as_config_problems(arg, capsys):
     assert main([QUICKSTART, arg]) == 2
     assert "vlmrl:" in capsys.readouterr().err
@@ -389,10 +498,17 @@ def test_main_reports_malformed_values_as_config_problems(arg, capsys):
 # --------------------------------------------------------------------------- main
 
 
-BAD_ARGS = [QUICKSTART, "data.shufle=true", "algorithm.adv_estimator=ppo", "trainer.total_epochs=two"]
+BAD_ARGS = [
+    QUICKSTART,
+    "data.shufle=true",
+    "algorithm.adv_estimator=ppo",
+    "trainer.total_epochs=two",
+]
 
 
-def test_main_with_bad_args_returns_2_prints_every_problem_and_does_not_start_ray(capsys):
+def test_main_with_bad_args_returns_2_prints_every_problem_and_does_not_start_ray(
+    capsys,
+):
     import ray
 
     expected = problems_of(*BAD_ARGS)
@@ -416,6 +532,7 @@ def test_cli_with_bad_args_exits_2_without_importing_ray():
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, *BAD_ARGS[1:], QUICKSTART],
+        check=False,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -449,49 +566,76 @@ def test_resolve_derives_the_step_numbers(tmp_path):
             "trainer.experiment_name=exp",
         ]
     )
-    plan = resolve(config)
-    assert plan == Plan(
-        world_size=2,  # 2 GPUs x 1 node
-        samples_per_step=128,  # 32 prompts x n 4
-        samples_per_update=32,  # 8 prompts x n 4
-        updates_per_step=8,  # (128 / 32) mini-batches x 2 ppo epochs
-        micro_batches_per_update=4,  # 32 samples / 2 workers = 16 per worker, / micro 4
-        use_reference=True,  # the quickstart's KL loss needs the reference model
-        experiment_dir=str(tmp_path / "proj" / "exp"),
-        checkpoint_dir=str(tmp_path / "proj" / "exp" / "checkpoints"),
-    )
+    plan = resolve(config, CPU)
+    expected = {
+        "device": "cpu",  # no GPU in the cluster
+        "world_size": 2,  # 2 workers x 1 node
+        "samples_per_step": 128,  # 32 prompts x n 4
+        "samples_per_step_per_device": 64,  # 128 / 2 workers
+        "samples_per_update": 32,  # 8 prompts x n 4
+        "samples_per_update_per_device": 16,  # 32 / 2 workers
+        "updates_per_step": 8,  # (128 / 32) mini-batches x 2 ppo epochs
+        "micro_batches_per_update": 4,  # 16 per worker / micro 4
+        "prompts_per_generation": 32,  # no mini_rollout_batch_size: the whole step at once
+        "rollout_prompt_length": 128,  # data.max_prompt_length
+        "rollout_response_length": 16,  # data.max_response_length
+        "rollout_max_model_len": 144,  # their sum, with worker.rollout.max_model_len unset
+        "actor_dtype": "float32",  # the quickstart's fsdp.torch_dtype
+        "ref_dtype": "float32",  # unset: the actor's
+        "use_reference": True,  # the quickstart's KL loss needs the reference model
+        "use_critic": False,  # grpo
+        "critic_model_path": None,
+        "val_n": 1,  # greedy single sample by default
+        "val_temperature": 0.0,
+        "val_top_p": 1.0,  # unset in val_override_config: the training top_p
+        "val_top_k": -1,
+        "experiment_dir": str(tmp_path / "proj" / "exp"),
+        "checkpoint_dir": str(tmp_path / "proj" / "exp" / "checkpoints"),
+        "notes": (),
+    }
+    assert {k: v for k, v in plan.as_dict().items() if k in expected} == expected
 
 
 def test_resolve_uses_an_explicit_checkpoint_path_made_absolute(tmp_path, monkeypatch):
     config = load_config([QUICKSTART, "trainer.save_checkpoint_path=ckpt"])
     monkeypatch.chdir(tmp_path)
-    plan = resolve(config)
+    plan = resolve(config, CPU)
     assert plan.checkpoint_dir == str(tmp_path / "ckpt")
     assert Path(plan.experiment_dir).is_absolute()
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
-    [([], True), (["algorithm.disable_kl=true"], False), (["algorithm.disable_kl=true", "algorithm.use_kl_loss=false"], False)],
+    [
+        ([], True),
+        (["algorithm.disable_kl=true"], False),
+        (["algorithm.disable_kl=true", "algorithm.use_kl_loss=false"], False),
+    ],
 )
 def test_the_reference_model_is_used_only_for_an_enabled_kl_loss(overrides, expected):
-    assert resolve(load_config([QUICKSTART, *overrides])).use_reference is expected
+    assert resolve(load_config([QUICKSTART, *overrides]), CPU).use_reference is expected
 
 
 def test_resolve_does_not_modify_the_config():
     config = load_config([QUICKSTART, "trainer.n_gpus_per_node=2"])
     before = copy.deepcopy(config)
-    plan = resolve(config)
+    plan = resolve(config, CPU)
     assert config == before
-    assert config.worker.actor.global_batch_size == 16  # not multiplied by n as EasyR1 does
+    assert (
+        config.worker.actor.global_batch_size == 16
+    )  # not multiplied by n as EasyR1 does
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.world_size = 3  # type: ignore[misc]
 
 
 def test_resolve_of_the_quickstart():
-    plan = resolve(load_config([QUICKSTART]))
+    plan = resolve(load_config([QUICKSTART]), CPU)
     # 16 prompts x 8 = 128 samples per step; one mini-batch of 16 x 8 = 128; 128 / 1 worker / micro 32 = 4
-    assert (plan.world_size, plan.samples_per_step, plan.samples_per_update) == (1, 128, 128)
+    assert (plan.world_size, plan.samples_per_step, plan.samples_per_update) == (
+        1,
+        128,
+        128,
+    )
     assert (plan.updates_per_step, plan.micro_batches_per_update) == (1, 4)
     assert plan.as_dict()["samples_per_step"] == 128
 
@@ -500,4 +644,6 @@ def test_actor_config_defaults_are_self_consistent():
     # The schema's own defaults (global 128 x n 5 on 1 worker, micro 4) pass the batch checks.
     config = Config(worker=dataclasses.replace(Config().worker, actor=ActorConfig()))
     problems = validate(config)
-    assert not [p for p in problems if "batch" in p or "split" in p or "divide" in p], problems
+    assert not [p for p in problems if "batch" in p or "split" in p or "divide" in p], (
+        problems
+    )

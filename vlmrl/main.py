@@ -1,7 +1,10 @@
-"""``python -m vlmrl.main config=<yaml> key=value ...``
+"""``python -m vlmrl.main config=<yaml> key=value ... [--dry-run | --help]``
 
 The config is loaded and validated in full before Ray starts or any model is
 read, so a mistyped key fails in a second with every problem listed.
+``--help`` lists every option from the config's attribute docstrings;
+``--dry-run`` prints the resolved config and the resource plan and stops
+there, without Ray or a model.
 """
 
 from __future__ import annotations
@@ -11,17 +14,32 @@ import os
 import signal
 import sys
 
-from vlmrl.config import ConfigError, load_config
-from vlmrl.plan import resolve
+import yaml
+
+from vlmrl.config import ConfigError, help_text, load_config, to_dict
+from vlmrl.plan import describe, detect_cluster, resolve
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--help" in args or "-h" in args:
+        print(help_text())
+        return 0
+    dry_run = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
+    cluster = detect_cluster()
     try:
-        config = load_config(sys.argv[1:] if argv is None else argv)
+        config = load_config(args, cluster)
     except ConfigError as e:
         print(f"vlmrl: {e}", file=sys.stderr)
         return 2
-    plan = resolve(config)
+    plan = resolve(config, cluster)
+    if dry_run:
+        print("# resolved config")
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        print("\n# plan")
+        print(describe(plan, config))
+        return 0
 
     import ray
 
@@ -34,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             # A local cluster with no dashboard. Logical CPUs cover every actor
             # the run places even on a 2-core machine; the workers set their own
             # thread counts.
-            needed = plan.world_size + 2 * config.worker.reward.num_cpus  # training and validation reward actors
+            needed = (
+                plan.world_size + 2 * config.worker.reward.num_cpus
+            )  # training and validation reward actors
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=2).remote()
     done = runner.run.remote(config, plan)
@@ -53,7 +73,11 @@ def _stop_on_signals(request_stop):
 
     def handler(signum, _frame):
         if received:
-            print(f"vlmrl: second {signal.Signals(signum).name}, exiting now", file=sys.stderr, flush=True)
+            print(
+                f"vlmrl: second {signal.Signals(signum).name}, exiting now",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
         received.append(signum)
         print(
@@ -64,7 +88,9 @@ def _stop_on_signals(request_stop):
         )
         request_stop()
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         yield
     finally:

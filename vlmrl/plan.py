@@ -2,11 +2,16 @@
 
 EasyR1 multiplies batch sizes in place on a worker's copy of the config, so
 the same key means different things in different processes. Here the user's
-numbers stay as written and every derived number lives in ``Plan``.
+numbers stay as written and every derived number lives in ``Plan``, made by
+the pure ``resolve(config, cluster)``: the same config and cluster always give
+the same plan, and nothing is read from disk or the devices. ``detect_cluster``
+is the one place that looks at the machine.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,45 +20,242 @@ if TYPE_CHECKING:
     from vlmrl.config import Config
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """What the machine offers the run."""
+
+    gpus: int
+    """Visible CUDA devices (0 on a CPU-only machine)."""
+    cpus: int
+    """CPU cores."""
+
+
+def detect_cluster() -> Cluster:
+    import torch
+
+    return Cluster(
+        gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        cpus=os.cpu_count() or 1,
+    )
+
+
 def world_size(config: Config) -> int:
     return config.trainer.n_gpus_per_node * config.trainer.nnodes
 
 
+def device(config: Config, cluster: Cluster) -> str:
+    """cuda or cpu: trainer.device, with auto taking cuda when the cluster has a GPU."""
+    chosen = config.trainer.device.value
+    if chosen == "auto":
+        return "cuda" if cluster.gpus > 0 else "cpu"
+    return chosen
+
+
+def weights_dtype(config: Config, model: str) -> str:
+    """The dtype that ``model`` (actor, ref or critic) is loaded in: its torch_dtype, else the default."""
+    worker = config.worker
+    actor = (
+        worker.actor.fsdp.torch_dtype.value
+        if worker.actor.fsdp.torch_dtype
+        else "bfloat16"
+    )
+    own = getattr(worker, model).fsdp.torch_dtype
+    if own is not None:
+        return own.value
+    return actor if model in ("actor", "ref") else "bfloat16"
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(path: str) -> bool:
+    """A model path that is not on disk but reads as org/name is left to the Hugging Face Hub."""
+    return not Path(path).exists() and bool(_HUB_ID.match(path))
+
+
 @dataclass(frozen=True)
 class Plan:
+    device: str
+    """cuda or cpu."""
+    nnodes: int
+    workers_per_node: int
     world_size: int
+    """Training workers (one per GPU, or worker processes on CPU); each holds an actor shard and an engine."""
     samples_per_step: int
     """Rollout samples per step: data.rollout_batch_size x worker.rollout.n."""
+    samples_per_step_per_device: int
     samples_per_update: int
     """Samples per optimizer step (one mini-batch), over all workers."""
+    samples_per_update_per_device: int
     updates_per_step: int
     """Optimizer steps per training step: mini-batches x ppo_epochs."""
     micro_batches_per_update: int
     """Gradient-accumulation micro-batches per optimizer step, per worker."""
+    prompts_per_generation: int
+    """Prompts per generation call (data.mini_rollout_batch_size, else the whole step)."""
+    rollout_prompt_length: int
+    rollout_response_length: int
+    rollout_max_model_len: int
+    """Longest sequence the engine serves: worker.rollout.max_model_len, else prompt + response."""
+    actor_dtype: str
+    ref_dtype: str
     use_reference: bool
     """Whether a frozen reference model is built and run (the KL term needs it)."""
+    use_critic: bool
+    """Whether a critic is trained (GAE)."""
+    model_path: str
+    tokenizer_path: str
+    critic_model_path: str | None
+    """The critic's starting weights: worker.critic.model.model_path, else the actor's model."""
+    val_n: int
+    val_temperature: float
+    val_top_p: float
+    val_top_k: int
+    """Validation sampling: worker.rollout.val_override_config over the training top_p/top_k."""
     experiment_dir: str
     checkpoint_dir: str
+    notes: tuple[str, ...] = ()
+    """Settings accepted but not acted on (vlmrl does not do them yet), one line each."""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def resolve(config: Config) -> Plan:
+def resolve(config: Config, cluster: Cluster) -> Plan:
+    """Every number the run derives from the config, for this cluster. Pure: no I/O, no devices."""
     world = world_size(config)
-    n = config.worker.rollout.n
-    actor = config.worker.actor
-    samples_per_step = config.data.rollout_batch_size * n
+    data, worker = config.data, config.worker
+    actor, rollout = worker.actor, worker.rollout
+    n = rollout.n
+    samples_per_step = data.rollout_batch_size * n
     samples_per_update = actor.global_batch_size * n
-    experiment_dir = Path(config.trainer.output_dir) / config.trainer.project_name / config.trainer.experiment_name
-    checkpoint_dir = config.trainer.save_checkpoint_path or str(experiment_dir / "checkpoints")
+    experiment_dir = (
+        Path(config.trainer.output_dir)
+        / config.trainer.project_name
+        / config.trainer.experiment_name
+    )
+    checkpoint_dir = config.trainer.save_checkpoint_path or str(
+        experiment_dir / "checkpoints"
+    )
+    use_critic = config.algorithm.adv_estimator.value == "gae"
+    model_path = actor.model.model_path
+    val = rollout.val_override_config
     return Plan(
+        device=device(config, cluster),
+        nnodes=config.trainer.nnodes,
+        workers_per_node=config.trainer.n_gpus_per_node,
         world_size=world,
         samples_per_step=samples_per_step,
+        samples_per_step_per_device=samples_per_step // world,
         samples_per_update=samples_per_update,
+        samples_per_update_per_device=samples_per_update // world,
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
-        micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
-        use_reference=config.algorithm.use_kl_loss and not config.algorithm.disable_kl,
+        micro_batches_per_update=samples_per_update
+        // world
+        // actor.micro_batch_size_per_device_for_update,
+        prompts_per_generation=data.mini_rollout_batch_size or data.rollout_batch_size,
+        rollout_prompt_length=data.max_prompt_length,
+        rollout_response_length=data.max_response_length,
+        rollout_max_model_len=rollout.max_model_len
+        or data.max_prompt_length + data.max_response_length,
+        actor_dtype=weights_dtype(config, "actor"),
+        ref_dtype=weights_dtype(config, "ref"),
+        use_reference=not config.algorithm.disable_kl,
+        use_critic=use_critic,
+        model_path=model_path,
+        tokenizer_path=actor.model.tokenizer_path or model_path,
+        critic_model_path=(worker.critic.model.model_path or model_path)
+        if use_critic
+        else None,
+        val_n=val.n,
+        val_temperature=val.temperature,
+        val_top_p=rollout.top_p if val.top_p is None else val.top_p,
+        val_top_k=rollout.top_k if val.top_k is None else val.top_k,
         experiment_dir=str(experiment_dir.resolve()),
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
+        notes=_notes(config),
     )
+
+
+def _notes(config: Config) -> tuple[str, ...]:
+    """One line per accepted setting that only changes speed and that vlmrl does not act on yet."""
+    notes = []
+    worker = config.worker
+    sections = [("worker.actor", worker.actor)]
+    if config.algorithm.adv_estimator.value == "gae":
+        sections.append(("worker.critic", worker.critic))
+    for section, cfg in sections:
+        if cfg.padding_free:
+            notes.append(
+                f"{section}.padding_free=true: vlmrl pads sequences instead (same result, more compute)"
+            )
+        if cfg.dynamic_batching:
+            notes.append(
+                f"{section}.dynamic_batching=true: vlmrl uses fixed micro-batches instead (same result)"
+            )
+    if worker.actor.use_torch_compile:
+        notes.append(
+            "worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)"
+        )
+    models = (
+        ["actor"]
+        + ["ref"] * (not config.algorithm.disable_kl)
+        + ["critic"] * (len(sections) > 1)
+    )
+    for model in models:
+        if getattr(worker, model).fsdp.enable_rank0_init:
+            notes.append(
+                f"worker.{model}.fsdp.enable_rank0_init=true: vlmrl loads the checkpoint on every worker"
+            )
+    paths = [("worker.actor.model.model_path", worker.actor.model.model_path)]
+    if len(sections) > 1:
+        paths.append(("worker.critic.model.model_path", worker.critic.model.model_path))
+    for key, path in paths:
+        if path and is_hub_id(path):
+            notes.append(
+                f"{key}={path}: not a local directory; it is read from the Hugging Face Hub"
+            )
+    return tuple(notes)
+
+
+def describe(plan: Plan, config: Config) -> str:
+    """The resource plan in a few lines, for --dry-run."""
+    actor, trainer, rollout = config.worker.actor, config.trainer, config.worker.rollout
+    holds = ["an FSDP actor shard"]
+    holds += ["a reference shard"] * plan.use_reference + [
+        "a critic shard"
+    ] * plan.use_critic
+    dtypes = f"actor {plan.actor_dtype}" + (
+        f", reference {plan.ref_dtype}" if plan.use_reference else ""
+    )
+    steps = f"{trainer.total_epochs} epoch(s) x (train prompts // {config.data.rollout_batch_size})"
+    if trainer.max_steps:
+        steps += f", at most {trainer.max_steps}"
+    lines = [
+        (
+            f"workers: {plan.world_size} on {plan.device} ({plan.nnodes} node(s) x {plan.workers_per_node}), "
+            f"each holding {', '.join(holds)} and a vLLM engine"
+        ),
+        f"weights: {dtypes}, engine {rollout.dtype.value}",
+        (
+            f"per step: {config.data.rollout_batch_size} prompts x n={rollout.n} = {plan.samples_per_step} samples, "
+            f"{plan.samples_per_step_per_device} per device, generated {plan.prompts_per_generation} prompts at a time"
+        ),
+        (
+            f"per update: {plan.samples_per_update} samples, {plan.samples_per_update_per_device} per device in "
+            f"{plan.micro_batches_per_update} micro-batch(es) of {actor.micro_batch_size_per_device_for_update}; "
+            f"{plan.updates_per_step} optimizer step(s) per training step"
+        ),
+        f"log-prob passes: micro-batches of {actor.micro_batch_size_per_device_for_experience} per device",
+        (
+            f"rollout lengths: prompt {plan.rollout_prompt_length}, response {plan.rollout_response_length}, "
+            f"engine max_model_len {plan.rollout_max_model_len}"
+        ),
+        (
+            f"validation sampling: n={plan.val_n} temperature={plan.val_temperature} "
+            f"top_p={plan.val_top_p} top_k={plan.val_top_k}"
+        ),
+        f"training steps: {steps}",
+        f"outputs: {plan.experiment_dir} (checkpoints in {plan.checkpoint_dir})",
+    ]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes])

@@ -160,7 +160,7 @@ class PerfMeter:
         else:
             # One worker's share of the cores, as the worker group gives it (OMP_NUM_THREADS).
             threads = max(1, (os.cpu_count() or 1) // plan.world_size)
-            dtype = getattr(torch, config.worker.actor.fsdp.torch_dtype.value)
+            dtype = getattr(torch, plan.actor_dtype)
             peak = measure_cpu_peak_flops(threads, dtype)
             device, source = f"cpu ({threads} threads)", f"measured, {dtype}"
         shown = f"{peak / 1e9:.1f} GFLOP/s" if peak else "unknown"

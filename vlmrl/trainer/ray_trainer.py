@@ -70,7 +70,12 @@ class RayPPOTrainer:
         self.validator = None
         if val_loader is not None:
             val_sampling = dataclasses.replace(
-                self.train_sampling, **{"n": 1, "temperature": 0.0, "ignore_eos": False, **rollout.val_override_config}
+                self.train_sampling,
+                n=plan.val_n,
+                temperature=plan.val_temperature,
+                top_p=plan.val_top_p,
+                top_k=plan.val_top_k,
+                ignore_eos=False,
             )
             self.validator = Validator(
                 workers, scorers.val, val_loader, val_sampling, plan.experiment_dir, config.trainer.val_generations_to_log,

@@ -45,7 +45,7 @@ class FSDPWorker:
     def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
         self.config, self.plan, self.rank = config, plan, rank
         actor_cfg, rollout_cfg = config.worker.actor, config.worker.rollout
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = plan.device
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo",
             init_method=init_method,
@@ -59,7 +59,7 @@ class FSDPWorker:
         model_path = actor_cfg.model.model_path
         self.processor = AutoProcessor.from_pretrained(actor_cfg.model.tokenizer_path or model_path)
         self.tokenizer = self.processor.tokenizer
-        dtype = _dtype(actor_cfg.fsdp.torch_dtype.value)
+        dtype = _dtype(plan.actor_dtype)
         trust = actor_cfg.model.trust_remote_code
         self.actor = _load_sharded(model_path, dtype, mesh, trust)
         if actor_cfg.model.freeze_vision_tower:
@@ -76,7 +76,7 @@ class FSDPWorker:
         )
         self.ref = None
         if plan.use_reference:
-            self.ref = _load_sharded(model_path, dtype, mesh, trust)
+            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust)
             self.ref.eval().requires_grad_(False)
 
         vocab_size = self.actor.config.get_text_config().vocab_size
@@ -85,7 +85,7 @@ class FSDPWorker:
             model_path,
             dtype=rollout_cfg.dtype.value,
             seed=rollout_cfg.seed + rank,
-            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+            max_model_len=plan.rollout_max_model_len,
             max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
             enforce_eager=rollout_cfg.enforce_eager,
             gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
