@@ -13,18 +13,42 @@ def reduce_reward_metrics(per_sample: dict[str, list[float]], prefix: str) -> di
     return {f"{prefix}/{name}": sum(values) / len(values) for name, values in per_sample.items() if values}
 
 
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    """mean, max and min of a 1-D tensor as ``<name>/mean`` etc."""
+    values = values.double()
+    return {
+        f"{name}/mean": values.mean().item(),
+        f"{name}/max": values.max().item(),
+        f"{name}/min": values.min().item(),
+    }
+
+
 def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
+    """Response lengths, scores and rewards per sequence, advantages/returns/values per token, and
+    how many prompt groups carry no learning signal (advantage 0 on every token)."""
     mask = batch.response_mask
+    valid = mask.bool()
     lengths = mask.sum(dim=1).float()
     metrics = {
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
+        **_stats("response_length", lengths),
         "response_length/clip_ratio": (lengths == mask.shape[1]).float().mean().item(),
         "actor/entropy_old": core_algos.masked_mean(entropy, mask).item(),
-        "critic/advantages/mean": core_algos.masked_mean(batch.advantages, mask).item(),
-        "critic/advantages/max": batch.advantages[mask.bool()].max().item(),
-        "critic/advantages/min": batch.advantages[mask.bool()].min().item(),
+        **_stats("critic/score", core_algos.masked_sum(batch.token_level_scores, mask, dim=-1)),
+        **_stats("critic/advantages", batch.advantages[valid]),
+        "critic/zero_advantage_groups": float(
+            core_algos.zero_advantage_groups(batch.advantages, mask, batch.group_ids)
+        ),
     }
+    if batch.token_level_rewards is not None:
+        metrics.update(_stats("critic/rewards", core_algos.masked_sum(batch.token_level_rewards, mask, dim=-1)))
+    if batch.returns is not None:
+        metrics.update(_stats("critic/returns", batch.returns[valid]))
+    if batch.values is not None:
+        metrics.update(_stats("critic/values", batch.values[valid]))
+        returns = batch.returns[valid].double()
+        # Explained variance: 1 means the critic predicts the returns, 0 no better than their mean.
+        residual_var = (returns - batch.values[valid].double()).var()
+        metrics["critic/vf_explained_var"] = (1.0 - residual_var / returns.var().clamp_min(1e-8)).item()
     if batch.ref_log_probs is not None:
         kl = core_algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, core_algos.KLEstimator.low_var_kl)
         metrics["actor/reference_kl"] = core_algos.masked_mean(kl, mask).item()
@@ -33,5 +57,5 @@ def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
         # numerics mismatch between the engines shows up here first.
         diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
         metrics["rollout/log_prob_diff_mean"] = core_algos.masked_mean(diff, mask).item()
-        metrics["rollout/log_prob_diff_max"] = diff[mask.bool()].max().item()
+        metrics["rollout/log_prob_diff_max"] = diff[valid].max().item()
     return metrics

@@ -11,19 +11,20 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from vlmrl.config import Config, to_dict
 from vlmrl.plan import Plan
-from vlmrl.protocol import Batch
+from vlmrl.protocol import PromptSample
 from vlmrl.rng import rng_state, set_rng_state
-from vlmrl.trainer import core_algos
+from vlmrl.trainer.advantage import AdvantageStage
 from vlmrl.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from vlmrl.trainer.metrics import batch_metrics
 from vlmrl.trainer.perf import PerfMeter, ProgressBar
+from vlmrl.trainer.sampler import RolloutSampler
 from vlmrl.trainer.scoring import Scorers
-from vlmrl.trainer.validation import Validator
 from vlmrl.trainer.tracking import Tracker
+from vlmrl.trainer.validation import Validator
+from vlmrl.workers.actor import UpdateSettings
+from vlmrl.workers.critic import CriticSettings
 from vlmrl.workers.rollout import SamplingOverrides
 from vlmrl.workers.worker_group import WorkerGroup
 
@@ -59,6 +60,9 @@ class RayPPOTrainer:
         self.workers = workers
         self.tracker = tracker
         self.next_group_id = 0
+        self.prompt_batches_used = 0
+        """Training prompt batches drawn so far; more than the steps when online filtering draws extra ones."""
+        self.prompt_stream = None
         rollout = config.worker.rollout
         self.train_sampling = SamplingOverrides(
             n=rollout.n,
@@ -78,31 +82,47 @@ class RayPPOTrainer:
                 ignore_eos=False,
             )
             self.validator = Validator(
-                workers, scorers.val, val_loader, val_sampling, plan.experiment_dir, config.trainer.val_generations_to_log,
+                workers,
+                scorers.val,
+                val_loader,
+                val_sampling,
+                plan.experiment_dir,
+                config.trainer.val_generations_to_log,
                 tracker=tracker,
             )
+        self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
+        self.advantages = AdvantageStage(config.algorithm, plan.use_reference)
+        self.actor_settings = UpdateSettings.from_config(config, plan)
+        self.critic_settings = CriticSettings.from_config(config, plan) if plan.use_critic else None
         self.perf = PerfMeter.for_run(config, plan)
         total = self.steps_per_epoch * config.trainer.total_epochs
         self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
 
-    def _steps(self, start_step: int):
-        """(step, prompts) from start_step + 1 to total_steps, across epochs.
+    def _prompt_batches(self):
+        """Training prompt batches from where the run stands, across epochs, without end.
 
         Each epoch's shuffle is seeded by (data.seed, epoch), so the order of an
         epoch does not depend on how the run got there; a resumed run continues
         its epoch from the loader state it saved.
         """
-        step = start_step
-        epoch, done_in_epoch = divmod(start_step, self.steps_per_epoch)
-        while step < self.total_steps:
+        epoch, done_in_epoch = divmod(self.prompt_batches_used, self.steps_per_epoch)
+        while True:
             if done_in_epoch == 0:
                 self.train_loader.generator.manual_seed(self.config.data.seed + epoch)
             for prompts in self.train_loader:
-                step += 1
-                yield step, prompts
-                if step == self.total_steps:
-                    return
+                self.prompt_batches_used += 1
+                yield prompts
             epoch, done_in_epoch = epoch + 1, 0
+
+    def _steps(self, start_step: int):
+        """(step, prompts) from start_step + 1 to total_steps."""
+        self.prompt_stream = self._prompt_batches()
+        for step in range(start_step + 1, self.total_steps + 1):
+            yield step, next(self.prompt_stream)
+
+    def _more_prompts(self) -> list[PromptSample]:
+        """The next prompt batch, for online filtering's extra generation rounds."""
+        return next(self.prompt_stream)
 
     def fit(self) -> None:
         start_step = self._resume()
@@ -117,33 +137,42 @@ class RayPPOTrainer:
         for step, prompts in self._steps(start_step):
             timings: dict[str, float] = {}
             with timer("step", timings):
-                # 1. Rollout: n samples per prompt, images included.
+                # 1. Rollout: n samples per prompt, images included (with online filtering, more
+                #    prompts until the batch is full; for ReMax, a greedy baseline response too).
                 with timer("gen", timings):
-                    batch = self.workers.generate(prompts, self._group_ids(len(prompts)), self.train_sampling)
-                # 2. Rewards from the user's function, computed while the log-prob passes run.
-                reward_job = self.scorer.launch(batch)
-                # 3. Log-probs of the responses under the current and the reference policy.
+                    rollout = self.sampler.sample(prompts, self._more_prompts)
+                batch = rollout.batch
+                # 2. Log-probs under the current and the reference policy, and the critic's values,
+                #    while the rewards are computed.
                 with timer("old", timings):
                     batch.old_log_probs, entropy = self.workers.compute_old_log_probs(batch)
                 if self.plan.use_reference:
                     with timer("ref", timings):
                         batch.ref_log_probs = self.workers.compute_ref_log_probs(batch)
+                if self.plan.use_critic:
+                    with timer("values", timings):
+                        batch.values = self.workers.compute_values(batch)
                 with timer("reward", timings):  # only the wait that the passes did not hide
-                    reward_metrics = self.scorer.collect(reward_job, batch)
-                # 4. Advantages, grouped by prompt.
+                    reward_metrics = rollout.collect()
+                # 3. Token-level rewards (less the KL penalty when KL is in the reward), then advantages.
                 with timer("adv", timings):
-                    batch.advantages = self._advantages(batch)
-                # 5. Policy update with the KL loss.
-                with timer("update_actor", timings):
-                    actor_metrics = self.workers.update_actor(batch)
-                # 6. The rollout engine gets the new weights.
-                with timer("update_weights", timings):
-                    self.workers.sync_weights()
+                    kl_metrics = self.advantages(batch)
+                # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
+                critic_metrics, actor_metrics = {}, {}
+                if self.plan.use_critic:
+                    with timer("update_critic", timings):
+                        critic_metrics = self.workers.update_critic(batch, self.critic_settings)
+                if step > self.config.trainer.critic_warmup:
+                    with timer("update_actor", timings):
+                        actor_metrics = self.workers.update_actor(batch, self.actor_settings)
+                    # 5. The rollout engine gets the new weights.
+                    with timer("update_weights", timings):
+                        self.workers.sync_weights()
                 val_metrics = {}
                 if self._validation_due(step):
                     with timer("testing", timings):
                         val_metrics = self.validator.run(step)
-                # 7. Save when due, at the end, or when asked to stop.
+                # 6. Save when due, at the end, or when asked to stop.
                 stopping = self.stop_requested.is_set()
                 if self._save_due(step) or stopping:
                     with timer("save_checkpoint", timings):
@@ -151,6 +180,8 @@ class RayPPOTrainer:
             metrics = {
                 **batch_metrics(batch, entropy),
                 **reward_metrics,
+                **kl_metrics,
+                **critic_metrics,
                 **actor_metrics,
                 **val_metrics,
                 **{f"timing_s/{k}": v for k, v in timings.items()},
@@ -174,17 +205,23 @@ class RayPPOTrainer:
         trainer_cfg = self.config.trainer
         tmp = self.checkpoints.begin(step)
         self.workers.save_checkpoint(
-            str(tmp), model_only=trainer_cfg.save_model_only, hf_weights=trainer_cfg.save_hf_weights and step == self.total_steps
+            str(tmp),
+            model_only=trainer_cfg.save_model_only,
+            hf_weights=trainer_cfg.save_hf_weights and step == self.total_steps,
         )
         state = {
             "global_step": step,
             "next_group_id": self.next_group_id,
+            "prompt_batches_used": self.prompt_batches_used,
+            "advantages": self.advantages.state(),
             "dataloader": self.train_loader.state_dict(),
             "rng": rng_state(),
             "tracker": self.tracker.state(),
         }
         save_trainer_state(tmp, state)
-        (tmp / "config.json").write_text(json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2))
+        (tmp / "config.json").write_text(
+            json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2)
+        )
         crash_at = os.environ.get("VLMRL_TEST_CRASH_IN_SAVE_AT_STEP")
         if crash_at is not None and int(crash_at) == step:
             # Fault injection for the crash-during-save test: die as SIGKILL would, shards written, not committed.
@@ -200,10 +237,12 @@ class RayPPOTrainer:
         state = load_trainer_state(path)
         restored_optimizer = self.workers.load_checkpoint(str(path))
         step = state["global_step"]
+        self.prompt_batches_used = state.get("prompt_batches_used", step)
         # A checkpoint taken at the end of an epoch holds a finished loader; the next epoch starts fresh.
-        if step % self.steps_per_epoch:
+        if self.prompt_batches_used % self.steps_per_epoch:
             self.train_loader.load_state_dict(state["dataloader"])
         self.next_group_id = state["next_group_id"]
+        self.advantages.load_state(state.get("advantages", {}))
         set_rng_state(state["rng"])
         print(
             f"checkpoint: resumed from {path} at step {step}"
@@ -222,10 +261,3 @@ class RayPPOTrainer:
             return False
         freq = self.config.trainer.val_freq
         return step == self.total_steps or (freq > 0 and step % freq == 0)
-
-    def _advantages(self, batch: Batch) -> torch.Tensor:
-        algo = self.config.algorithm
-        estimator = core_algos.ADVANTAGE_ESTIMATORS[algo.adv_estimator]
-        kwargs = {"norm_adv_by_std": algo.norm_adv_by_std_in_grpo} if algo.adv_estimator is core_algos.AdvantageEstimator.grpo else {}
-        advantages, _returns = estimator(batch.token_level_scores, batch.response_mask, batch.group_ids, **kwargs)
-        return advantages

@@ -1,5 +1,10 @@
 """The actor's passes over a batch: log-probs (old, reference) and the policy update.
 
+Gradient accumulation is exact: each micro-batch's loss is weighted by its
+share of the global mini-batch's aggregation weight (tokens for token_mean,
+sequences otherwise), so (micro-batches, accumulation) gives the gradient of
+(full batch, none), on one worker or many.
+
 These functions take the model as an argument so the same forward serves the
 actor and the frozen reference model. They run inside one worker on its shard
 of the batch; FSDP makes the gradients of all workers agree.
@@ -11,28 +16,38 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from vlmrl.config import Config
+from vlmrl.plan import Plan
 from vlmrl.protocol import Batch
 from vlmrl.trainer import core_algos
-from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode
+from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 
 
 def merged_mm_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """The micro-batch's image inputs concatenated in sample order, as the model wants them."""
-    parts = [mm for mm in batch.mm_inputs if mm]
-    if not parts:
-        return {}
-    return {key: torch.cat([mm[key] for mm in parts], dim=0) for key in parts[0]}
+    """The micro-batch's image and video inputs, each key concatenated in sample order, as the model wants them.
+
+    Samples may differ in what they have (text only, images, videos, both); a key
+    is concatenated over the samples that have it.
+    """
+    keys = dict.fromkeys(key for mm in batch.mm_inputs for key in mm)
+    return {key: torch.cat([mm[key] for mm in batch.mm_inputs if key in mm], dim=0) for key in keys}
 
 
 def forward_response(
-    model: torch.nn.Module, batch: Batch, temperature: float, allowed_tokens: torch.Tensor
+    model: torch.nn.Module,
+    batch: Batch,
+    temperature: float,
+    allowed_tokens: torch.Tensor,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of the response tokens under ``model``.
 
     Returns ``(log_probs, entropy)``, each ``(b, R)``. The logits are divided by
     the sampling temperature and restricted to the tokens the rollout may
-    sample, so they describe the distribution vLLM sampled from.
+    sample, so they describe the distribution vLLM sampled from. The entropy
+    carries a gradient only with ``entropy_grad`` (an entropy bonus in the loss).
     """
     response_length = batch.responses.shape[1]
     out = model(
@@ -48,7 +63,7 @@ def forward_response(
     # finfo.min rather than -inf: masked entries then give p = 0 and p*log p = 0 in the entropy.
     logits = logits.masked_fill(~allowed_tokens, torch.finfo(logits.dtype).min)
     log_probs = core_algos.logprobs_from_logits(logits, batch.responses)  # (b, R)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = core_algos.entropy_from_logits(logits)  # (b, R)
     return log_probs, entropy
 
@@ -64,20 +79,73 @@ def compute_log_probs(
 
 @dataclass(frozen=True)
 class UpdateSettings:
+    """What one policy update does; built by the driver from the config and sent with each batch."""
+
     samples_per_update: int
     """Samples in one optimizer step on this worker."""
     micro_batch_size: int
     ppo_epochs: int
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_dual: float
-    loss_avg_mode: LossAvgMode
+    loss_type: PolicyLossType
+    loss_params: PolicyLossParams
     max_grad_norm: float
+    entropy_coeff: float
+    """Weight of the entropy bonus (subtracted from the loss); 0 for none."""
     use_kl_loss: bool
     kl_estimator: KLEstimator
     kl_coef: float
     temperature: float
-    max_response_length: int
+
+    @classmethod
+    def from_config(cls, config: Config, plan: Plan) -> UpdateSettings:
+        actor, algo = config.worker.actor, config.algorithm
+        return cls(
+            samples_per_update=plan.samples_per_update // plan.world_size,
+            micro_batch_size=actor.micro_batch_size_per_device_for_update,
+            ppo_epochs=actor.ppo_epochs,
+            loss_type=actor.loss_type,
+            loss_params=PolicyLossParams(
+                clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_dual=actor.clip_ratio_dual,
+                tau_positive=actor.tau_positive,
+                tau_negative=actor.tau_negative,
+                loss_avg_mode=actor.loss_avg_mode,
+                norm_len=config.data.max_response_length,
+            ),
+            max_grad_norm=actor.max_grad_norm,
+            entropy_coeff=actor.entropy_coeff,
+            use_kl_loss=algo.use_kl_loss and not algo.disable_kl,
+            kl_estimator=algo.kl_penalty,
+            kl_coef=algo.kl_coef,
+            temperature=config.worker.rollout.temperature,
+        )
+
+
+def global_weight(mask: torch.Tensor, mode: LossAvgMode) -> tuple[torch.Tensor, int]:
+    """``(sum of aggregation weights over every worker's mini-batch, world size)``.
+
+    A micro-batch's loss scaled by ``world * weight(micro) / global`` makes the
+    accumulated, FSDP-averaged gradient equal the gradient of the loss
+    aggregated over the whole global mini-batch, ragged lengths included.
+    """
+    weight = core_algos.aggregation_weight(mask, mode)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(weight, op=dist.ReduceOp.SUM)
+        return weight, dist.get_world_size()
+    return weight, 1
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the gradients to ``max_grad_norm`` and step; a non-finite norm skips the step. Returns (norm, stepped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        return float(grad_norm), True
+    # A non-finite gradient would poison the weights; skip the step and say so.
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), False
 
 
 def update_policy(
@@ -87,57 +155,49 @@ def update_policy(
     settings: UpdateSettings,
     allowed_tokens: torch.Tensor,
 ) -> dict[str, float]:
-    """PPO-clip epochs over ``batch`` in mini-batches with gradient accumulation.
+    """Policy-loss epochs over ``batch`` in mini-batches with gradient accumulation.
 
+    The loss is the registered ``settings.loss_type`` policy loss, plus
+    ``kl_coef`` x the KL to the reference (``use_kl_loss``), minus
+    ``entropy_coeff`` x the entropy, each aggregated with ``loss_avg_mode``.
     Returns metrics averaged over micro-batches (losses, clip fractions, KL,
     entropy) and over optimizer steps (grad norm).
     """
     batch.require("old_log_probs", "advantages")
     if settings.use_kl_loss:
         batch.require("ref_log_probs")
+    policy_loss = core_algos.POLICY_LOSSES[settings.loss_type]
+    params = settings.loss_params
+    mode, norm_len = params.loss_avg_mode, params.norm_len
     sums: dict[str, list[float]] = defaultdict(list)
     skipped = 0
     model.train()
     for _ in range(settings.ppo_epochs):
         for mini in batch.split(settings.samples_per_update):
-            micro_batches = mini.split(settings.micro_batch_size)
+            total, world = global_weight(mini.response_mask, mode)
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches:
-                log_probs, entropy = forward_response(model, mb, settings.temperature, allowed_tokens)
-                mask = mb.response_mask
-                pg_loss, pg_metrics = core_algos.policy_loss_ppo_clip(
-                    mb.old_log_probs,
-                    log_probs,
-                    mb.advantages,
-                    mask,
-                    settings.clip_ratio_low,
-                    settings.clip_ratio_high,
-                    settings.clip_ratio_dual,
-                    settings.loss_avg_mode,
-                    norm_len=settings.max_response_length,
+            for mb in mini.split(settings.micro_batch_size):
+                log_probs, entropy = forward_response(
+                    model, mb, settings.temperature, allowed_tokens, entropy_grad=settings.entropy_coeff != 0
                 )
+                mask = mb.response_mask
+                pg_loss, pg_metrics = policy_loss(mb.old_log_probs, log_probs, mb.advantages, mask, params)
                 loss = pg_loss
+                entropy_mean = core_algos.aggregate_loss(entropy, mask, mode, norm_len)
+                if settings.entropy_coeff != 0:
+                    loss = loss - settings.entropy_coeff * entropy_mean
                 if settings.use_kl_loss:
                     kl = core_algos.kl_penalty(log_probs, mb.ref_log_probs, settings.kl_estimator)
-                    kl_loss = core_algos.aggregate_loss(kl, mask, settings.loss_avg_mode, settings.max_response_length)
+                    kl_loss = core_algos.aggregate_loss(kl, mask, mode, norm_len)
                     loss = loss + settings.kl_coef * kl_loss
                     sums["actor/kl_loss"].append(kl_loss.item())
-                # Each micro-batch's loss is a mean over its own samples; dividing by
-                # the count makes the accumulated gradient the mini-batch mean.
-                (loss / len(micro_batches)).backward()
+                (loss * (world * core_algos.aggregation_weight(mask, mode) / total)).backward()
                 for key, value in pg_metrics.items():
                     sums[f"actor/{key}"].append(float(value))
-                sums["actor/entropy"].append(core_algos.masked_mean(entropy, mask).item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            if torch.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                # A non-finite gradient would poison the weights; skip the step and say so.
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-            sums["actor/grad_norm"].append(float(grad_norm))
+                sums["actor/entropy"].append(core_algos.masked_mean(entropy.detach(), mask).item())
+            grad_norm, stepped = clip_and_step(model, optimizer, settings.max_grad_norm)
+            skipped += not stepped
+            sums["actor/grad_norm"].append(grad_norm)
     metrics = {key: sum(values) / len(values) for key, values in sums.items()}
     metrics["actor/skipped_steps"] = float(skipped)
     return metrics

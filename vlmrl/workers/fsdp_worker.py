@@ -1,5 +1,6 @@
 """One training worker: the FSDP2 actor and its optimizer, the frozen reference
-model, and an in-process vLLM engine, all in one Ray actor process.
+model (unless KL is disabled), the critic and its optimizer (GAE only), and an
+in-process vLLM engine, all in one Ray actor process.
 
 The driver calls these methods through ``WorkerGroup``; each call works on
 this worker's shard of the batch.
@@ -17,11 +18,13 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import Config
-from vlmrl.plan import Plan
+from vlmrl.plan import Plan, weights_dtype
 from vlmrl.protocol import Batch, PromptSample
 from vlmrl.workers import actor as actor_passes
 from vlmrl.workers import checkpoint as ckpt
+from vlmrl.workers import critic as critic_passes
 from vlmrl.workers.batching import build_batch
+from vlmrl.workers.critic import ValueModel
 from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
 from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
 
@@ -30,15 +33,28 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _load_sharded(model_path: str, dtype: torch.dtype, mesh, trust_remote_code: bool) -> torch.nn.Module:
-    """Load a HF VLM and shard it with FSDP2, one unit per decoder layer and vision block."""
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+def _shard(model: torch.nn.Module, layer_classes: list[str], mesh) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2, one unit per decoder layer and vision block, then the rest."""
     for module in model.modules():
-        if type(module).__name__ in layer_classes:
+        if type(module).__name__ in set(layer_classes):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _load_sharded(model_path: str, dtype: torch.dtype, mesh, trust_remote_code: bool) -> torch.nn.Module:
+    """Load a HF VLM and shard it with FSDP2."""
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return _shard(model, list(getattr(model, "_no_split_modules", None) or []), mesh)
+
+
+def _adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        weight_decay=optim.weight_decay,
+    )
 
 
 class FSDPWorker:
@@ -67,17 +83,19 @@ class FSDPWorker:
                 p.requires_grad_(False)
         if actor_cfg.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
-        optim = actor_cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.actor.parameters() if p.requires_grad],
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            weight_decay=optim.weight_decay,
-        )
+        self.optimizer = _adamw(self.actor, actor_cfg.optim)
         self.ref = None
         if plan.use_reference:
             self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust)
             self.ref.eval().requires_grad_(False)
+        self.critic = self.critic_optimizer = None
+        if plan.use_critic:
+            critic_cfg = config.worker.critic
+            value_model = ValueModel.from_pretrained(
+                plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code
+            )
+            self.critic = _shard(value_model, value_model.no_split_modules, mesh)
+            self.critic_optimizer = _adamw(self.critic, critic_cfg.optim)
 
         vocab_size = self.actor.config.get_text_config().vocab_size
         self.allowed_tokens = sampling_mask(self.tokenizer, vocab_size)
@@ -96,21 +114,6 @@ class FSDPWorker:
             allowed_tokens=self.allowed_tokens,
         )
         self.sharding_manager = FSDPVLLMShardingManager(self.actor, self.rollout, _dtype(rollout_cfg.dtype.value))
-        self.update_settings = actor_passes.UpdateSettings(
-            samples_per_update=plan.samples_per_update // plan.world_size,
-            micro_batch_size=actor_cfg.micro_batch_size_per_device_for_update,
-            ppo_epochs=actor_cfg.ppo_epochs,
-            clip_ratio_low=actor_cfg.clip_ratio_low,
-            clip_ratio_high=actor_cfg.clip_ratio_high,
-            clip_ratio_dual=actor_cfg.clip_ratio_dual,
-            loss_avg_mode=actor_cfg.loss_avg_mode,
-            max_grad_norm=actor_cfg.max_grad_norm,
-            use_kl_loss=plan.use_reference,
-            kl_estimator=config.algorithm.kl_penalty,
-            kl_coef=config.algorithm.kl_coef,
-            temperature=rollout_cfg.temperature,
-            max_response_length=config.data.max_response_length,
-        )
 
     # ---------------------------------------------------------------- rollout
 
@@ -151,8 +154,23 @@ class FSDPWorker:
 
     # ---------------------------------------------------------------- update
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return actor_passes.update_policy(self.actor, self.optimizer, batch, self.update_settings, self.allowed_tokens)
+    def update_actor(self, batch: Batch, settings: actor_passes.UpdateSettings) -> dict[str, float]:
+        return actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens)
+
+    # ---------------------------------------------------------------- critic
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        """``(b, R)`` the critic's values of the responses' states."""
+        if self.critic is None:
+            raise RuntimeError("values requested but the run has no critic (only adv_estimator=gae trains one)")
+        return critic_passes.compute_values(
+            self.critic, batch, self.config.worker.critic.micro_batch_size_per_device_for_experience
+        )
+
+    def update_critic(self, batch: Batch, settings: critic_passes.CriticSettings) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("critic update requested but the run has no critic (only adv_estimator=gae trains one)")
+        return critic_passes.update_critic(self.critic, self.critic_optimizer, batch, settings)
 
     def sync_weights(self) -> float:
         return self.sharding_manager.sync()
@@ -166,6 +184,8 @@ class FSDPWorker:
         """
         actor_dir = Path(path) / "actor"
         ckpt.save_actor(actor_dir, self.actor, self.optimizer, self.rank, model_only)
+        if self.critic is not None:
+            ckpt.save_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank, model_only)
         full = ckpt.full_model_state(self.actor) if hf_weights else None
         if self.rank == 0:
             hf_dir = actor_dir / "huggingface"
@@ -184,5 +204,7 @@ class FSDPWorker:
         Returns whether optimizer state was restored.
         """
         restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
+        if self.critic is not None and (Path(path) / "critic").is_dir():
+            ckpt.load_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank)
         self.sync_weights()
         return restored_optimizer

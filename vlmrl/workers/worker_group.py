@@ -12,6 +12,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -20,6 +21,10 @@ from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.protocol import Batch, PromptSample
 from vlmrl.workers.rollout import SamplingOverrides
+
+if TYPE_CHECKING:
+    from vlmrl.workers.actor import UpdateSettings
+    from vlmrl.workers.critic import CriticSettings
 
 
 def _rendezvous(nnodes: int) -> tuple[str, dict[str, str]]:
@@ -39,6 +44,10 @@ def _chunks(items: list, parts: int) -> list[list]:
         raise ValueError(f"{len(items)} items do not split evenly over {parts} workers")
     size = len(items) // parts
     return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _mean_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
 
 
 class WorkerGroup:
@@ -84,10 +93,17 @@ class WorkerGroup:
         refs = [w.compute_ref_log_probs.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
         return torch.cat(ray.get(refs))
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        refs = [w.update_actor.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
-        results = ray.get(refs)
-        return {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        refs = [w.compute_values.remote(b) for w, b in zip(self.workers, self._scatter(batch))]
+        return torch.cat(ray.get(refs))
+
+    def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
+        refs = [w.update_actor.remote(b, settings) for w, b in zip(self.workers, self._scatter(batch))]
+        return _mean_metrics(ray.get(refs))
+
+    def update_critic(self, batch: Batch, settings: CriticSettings) -> dict[str, float]:
+        refs = [w.update_critic.remote(b, settings) for w, b in zip(self.workers, self._scatter(batch))]
+        return _mean_metrics(ray.get(refs))
 
     def sync_weights(self) -> float:
         return max(ray.get([w.sync_weights.remote() for w in self.workers]))
