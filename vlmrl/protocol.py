@@ -74,8 +74,16 @@ class Batch:
     """(B, R) the scalar reward placed on the last response token."""
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Per-sample reward sub-scores by name, each of length B."""
+    reward_baselines: torch.Tensor | None = None
+    """(B,) ReMax: the reward of a greedy response to each sample's prompt."""
+    values: torch.Tensor | None = None
+    """(B, R) the critic's value of the state before each response token (GAE)."""
+    token_level_rewards: torch.Tensor | None = None
+    """(B, R) the scores with the KL penalty folded in (equal to the scores when KL is not in the reward)."""
     advantages: torch.Tensor | None = None
     """(B, R)."""
+    returns: torch.Tensor | None = None
+    """(B, R) the estimator's returns: the critic's regression target under GAE."""
 
     def __len__(self) -> int:
         return self.responses.shape[0]
