@@ -436,13 +436,6 @@ def test_optional_enum_accepts_null():
             ["worker.actor.optim.betas=[0.9]: give two numbers"],
             id="betas",
         ),
-        pytest.param(
-            ["algorithm.use_kl_loss=false"],
-            [
-                "algorithm.use_kl_loss=false (a KL penalty in the reward): not supported by vlmrl yet"
-            ],
-            id="kl-reward-penalty",
-        ),
     ],
 )
 def test_invariant_violations_are_reported_with_values(overrides, expected):
@@ -1020,14 +1013,6 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
             "algorithm.kl_penalty=full",
             "algorithm.kl_penalty=full: {TODO}; the actor keeps only the sampled tokens' log-probs",
         ),
-        # issue 6 lifts these as the algorithms land
-        (
-            "algorithm.use_kl_loss=false",
-            "algorithm.use_kl_loss=false (a KL penalty in the reward): {TODO}",
-        ),
-        ("algorithm.online_filtering=true", "algorithm.online_filtering=true: {TODO}"),
-        ("worker.actor.loss_type=gspo", "worker.actor.loss_type=gspo: {TODO}"),
-        ("worker.actor.entropy_coeff=0.01", "worker.actor.entropy_coeff=0.01: {TODO}"),
     ],
 )
 def test_settings_vlmrl_cannot_honour_yet_fail_with_what_to_set(override, expected):

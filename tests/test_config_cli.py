@@ -68,10 +68,11 @@ def test_there_are_examples():
     assert EXAMPLES, "examples/*.yaml went missing"
 
 
+@pytest.mark.parametrize("cluster", [CPU, GPUS], ids=["cpu", "8-gpu-node"])
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_example_yaml_loads_and_validates(path):
-    config = load_config([f"config={path}"], CPU)
-    resolve(config, CPU)
+def test_every_example_yaml_loads_and_validates(path, cluster):
+    config = load_config([f"config={path}"], cluster)
+    resolve(config, cluster)
 
 
 # --------------------------------------------------------------------------- an EasyR1 YAML
