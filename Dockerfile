@@ -14,7 +14,7 @@
 #   instead of installing a second torch; no vllm release pins 2.14.1 itself.
 # - flash-attn has no prebuilt wheel for torch 2.14 / CUDA 13 (PyPI holds only
 #   its sdist, a build of hours). Pass a matching wheel with
-#   --build-arg FLASH_ATTN_WHEEL=<url or path>; without one the actor uses
+#   --build-arg FLASH_ATTN_WHEEL=<wheel URL>; without one the actor uses
 #   PyTorch's SDPA, and vLLM its own bundled attention kernels.
 
 # The devel image has nvcc: FlashInfer (vLLM's sampler and attention backend)
