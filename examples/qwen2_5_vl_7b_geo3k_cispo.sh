@@ -4,10 +4,6 @@
 # is clipped and detached instead of the token being dropped: every token keeps
 # its gradient. clip_ratio_high caps the weight at 1.28; clip_ratio_low=0.99
 # leaves it almost open below (weights down to 0.01), as the paper does.
-#
-# NOT RUNNABLE YET if vlmrl still rejects worker.actor.loss_type=cispo at
-# validation ("not supported by vlmrl yet"); the loss itself is in
-# vlmrl/trainer/algos/losses.py.
 # Extra key=value arguments are passed on (see qwen2_5_vl_7b_geo3k_grpo.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."

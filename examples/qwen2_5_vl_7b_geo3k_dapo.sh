@@ -8,10 +8,6 @@
 #   generated, up to trainer.max_try_make_batch rounds, to fill the step;
 # - the +1/-1 answer reward with the soft overlong penalty (reward_functions/dapo.py)
 #   and DAPO's "Answer: ..." prompt.
-#
-# NOT RUNNABLE YET: vlmrl rejects algorithm.online_filtering=true at validation
-# until dynamic sampling lands ("not supported by vlmrl yet"); without it
-# (algorithm.online_filtering=false) the rest runs.
 # Extra key=value arguments are passed on (see qwen2_5_vl_7b_geo3k_grpo.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."

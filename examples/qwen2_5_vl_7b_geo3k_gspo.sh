@@ -5,10 +5,6 @@
 # ratio is length-normalised), and a loss averaged per sequence first. No KL
 # term, as in the paper. gspo_token keeps the sequence ratio's value with
 # per-token gradients: worker.actor.loss_type=gspo_token.
-#
-# NOT RUNNABLE YET if vlmrl still rejects worker.actor.loss_type=gspo at
-# validation ("not supported by vlmrl yet"); the loss itself is in
-# vlmrl/trainer/algos/losses.py.
 # Extra key=value arguments are passed on (see qwen2_5_vl_7b_geo3k_grpo.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
