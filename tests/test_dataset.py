@@ -285,7 +285,8 @@ def test_unreadable_image_names_file_and_row(tmp_path, processor, image):
     with pytest.raises(DataError) as info:
         dataset(files, processor, image_dir=str(tmp_path))
     message = str(info.value)
-    assert files in message and "row 1" in message and "unreadable image" in message
+    assert files in message and "row 1" in message and "key 'images'" in message
+    assert ("unreadable image" if isinstance(image, bytes) else "missing image file") in message
 
 
 def test_image_with_extreme_aspect_ratio_names_file_and_row(tmp_path, processor):

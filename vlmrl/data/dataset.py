@@ -1,72 +1,85 @@
-"""An image-aware RLHF prompt dataset.
+"""An image- and video-aware RLHF prompt dataset.
 
-Each row becomes a ``PromptSample``: the chat-templated prompt twice (with one
-placeholder per image for vLLM, and expanded to the image's patch tokens for
-the actor), the images resized once to the processor's grid so that vLLM and
-the actor see the same pixels, and the processor outputs for the actor.
+Each row becomes a ``PromptSample`` that both the vLLM rollout and the FSDP
+actor use: the chat-templated prompt twice (one placeholder per image or video
+for vLLM, and expanded to the media's patch tokens for the actor), the media
+resized once to the processor's grid so that both see the same pixels, the
+processor outputs, and the prompt's 3-D rotary positions.
+
+A row that cannot become a sample (an unreadable image or video, a placeholder
+count that does not match the media, an empty prompt, no answer) raises a
+``BadRowError`` naming its file, row and key. With
+``data.filter_overlong_prompts`` every row is checked when the dataset is
+built (in ``filter_overlong_prompts_workers`` processes): prompts longer than
+``max_prompt_length`` after the media tokens are expanded are dropped and
+counted, and bad rows stop the run or, with ``on_bad_sample=skip``, are left
+out, counted and logged. Without it rows are checked when read.
 """
 
 from __future__ import annotations
 
-import io
+import logging
+import multiprocessing
+import re
 from pathlib import Path
 from typing import Any
 
-import datasets
 import jinja2
-from PIL import Image
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+import torch
+from transformers import AutoConfig
+from transformers.video_utils import VideoMetadata
 
+from vlmrl.data.errors import BadRowError, DataError
+from vlmrl.data.media import (
+    MediaError,
+    Video,
+    grid_size,
+    load_video,
+    open_image,
+    resize_to_grid,
+)
+from vlmrl.data.options import BadSamplePolicy
+from vlmrl.data.positions import MRope
+from vlmrl.data.sources import load_rows
 from vlmrl.protocol import PromptSample
 
+__all__ = ["BadRowError", "DataError", "RLHFDataset", "grid_size"]
+
+logger = logging.getLogger(__name__)
+
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDER = re.compile(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})")
+# What the actor's model reads from the processor's output; the rest (token type
+# ids, second_per_grid_ts) only serves the positions computed here.
+MODEL_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 
 
-def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) on the processor's grid, within [min_pixels, max_pixels].
-
-    The processor's own smart_resize keeps each side at least one grid cell,
-    which for a very wide or tall image can exceed max_pixels; the long side is
-    then cut back. The result is a fixed point of smart_resize, so vLLM's
-    processor and the actor's see the same grid.
-    """
-    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    if h * w > max_pixels:
-        if h <= w:
-            w = max(factor, max_pixels // h // factor * factor)
-        else:
-            h = max(factor, max_pixels // w // factor * factor)
-    return h, w
+class OverlongPromptError(DataError):
+    """A prompt longer than ``max_prompt_length`` once its media tokens are expanded."""
 
 
-class DataError(ValueError):
-    """A row or file that cannot be used, named with where it came from."""
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def load_rows(files: str) -> datasets.Dataset:
-    """Read one or more comma-separated local parquet/json/jsonl files into one dataset."""
-    paths = [p.strip() for p in files.split(",") if p.strip()]
-    parts = []
-    for path in paths:
-        suffix = Path(path).suffix.lstrip(".")
-        builder = {"parquet": "parquet", "json": "json", "jsonl": "json"}.get(suffix)
-        if builder is None:
-            raise DataError(f"{path}: unsupported data file type {suffix!r}; use .parquet, .json or .jsonl")
-        parts.append(datasets.load_dataset(builder, data_files=path, split="train"))
-    first = parts[0]
-    for path, part in zip(paths[1:], parts[1:]):
-        if set(part.column_names) != set(first.column_names):
-            raise DataError(
-                f"{path}: columns {sorted(part.column_names)} differ from {paths[0]}'s {sorted(first.column_names)}; "
-                "files listed together must have the same columns"
-            )
-    # Same columns can still differ in type (a jsonl "string" next to a pandas
-    # parquet "large_string"); align each file to the first one's schema.
-    aligned = [first] + [part.cast(first.features) for part in parts[1:]]
-    return first if len(parts) == 1 else datasets.concatenate_datasets(aligned)
+# The dataset being checked, for the forked processes of the start-up check.
+_CHECKING: RLHFDataset | None = None
 
 
-class RLHFDataset:
+def _check_rows(row_ids: list[int]) -> list[tuple[int, str, str]]:
+    assert _CHECKING is not None
+    return [_CHECKING.check(r) for r in row_ids]
+
+
+class RLHFDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         files: str,
@@ -82,123 +95,311 @@ class RLHFDataset:
         format_prompt: str | None = None,
         override_chat_template: str | None = None,
         filter_overlong_prompts: bool = True,
+        filter_overlong_prompts_workers: int = 1,
+        video_key: str = "videos",
+        video_fps: float = 2.0,
+        on_bad_sample: BadSamplePolicy | str = BadSamplePolicy.error,
+        model_config: Any = None,
     ):
         self.files = files
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.prompt_key, self.answer_key, self.image_key = prompt_key, answer_key, image_key
+        self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.image_key, self.video_key = image_key, video_key
         self.image_dir = Path(image_dir) if image_dir else None
         self.max_prompt_length = max_prompt_length
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.video_fps = video_fps
+        self.on_bad_sample = BadSamplePolicy(on_bad_sample)
         image_processor = processor.image_processor
+        self.patch_size = image_processor.patch_size
         self.resize_factor = image_processor.patch_size * image_processor.merge_size
-        self.format_template = (
-            jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
-        )
+        self.format_template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
         self.chat_template = override_chat_template
+        # The positions depend on the model family; the processor directory holds its config too.
+        config = model_config or AutoConfig.from_pretrained(self.tokenizer.name_or_path)
+        self.mrope = MRope.from_config(config)
+
         self.rows = load_rows(files)
-        for key in (prompt_key, answer_key):
-            if key not in self.rows.column_names:
+        for key, setting in (
+            (prompt_key, "data.prompt_key"),
+            (answer_key, "data.answer_key"),
+        ):
+            if key not in self.rows.table.column_names:
                 raise DataError(
-                    f"{files}: no column {key!r} (columns: {self.rows.column_names}); "
-                    "set data.prompt_key / data.answer_key to the right column"
+                    f"{files}: no column {key!r} (columns: {self.rows.table.column_names}); "
+                    f"set {setting} to the right column (data.prompt_key / data.answer_key)"
                 )
+        self.skipped: dict[int, str] = {}
+        """Rows left out as bad, by row id, with the reason (on_bad_sample=skip)."""
+        self.overlong: list[int] = []
+        """Rows dropped by filter_overlong_prompts."""
         if filter_overlong_prompts:
-            keep = [i for i in range(len(self.rows)) if len(self.sample(i).input_ids) <= max_prompt_length]
-            if not keep:
-                raise DataError(
-                    f"{files}: every prompt is longer than data.max_prompt_length={max_prompt_length} tokens; "
-                    "raise it or lower data.max_pixels"
-                )
-            self.index = keep
+            self.index = self._check_all(max(1, filter_overlong_prompts_workers))
         else:
             self.index = list(range(len(self.rows)))
+        if not self.index:
+            raise DataError(
+                f"{files}: no usable rows left: {len(self.rows)} rows, {len(self.overlong)} longer than "
+                f"data.max_prompt_length={max_prompt_length} tokens once image and video tokens are counted, "
+                f"{len(self.skipped)} bad; raise data.max_prompt_length, lower data.max_pixels or fix the rows"
+            )
+
+    # ------------------------------------------------------------ indexing
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, i: int) -> PromptSample:
-        return self.sample(self.index[i])
+        """The i-th usable row; with on_bad_sample=skip a bad row found only now gives way to the next one."""
+        if not -len(self.index) <= i < len(self.index):
+            raise IndexError(f"row {i} of a dataset of {len(self.index)}")
+        i %= len(self.index)
+        for step in range(len(self.index)):
+            row_id = self.index[(i + step) % len(self.index)]
+            try:
+                return self.sample(row_id)
+            except BadRowError as e:
+                if self.on_bad_sample is BadSamplePolicy.error:
+                    raise
+                if row_id not in self.skipped:
+                    self.skipped[row_id] = str(e)
+                    logger.warning("data: skipped bad row (%d so far): %s", len(self.skipped), e)
+        raise DataError(f"{self.files}: every row is bad ({len(self.skipped)} skipped); see the warnings above")
 
-    def sample(self, row_id: int) -> PromptSample:
-        """Row ``row_id`` of the underlying files (before filtering) as a PromptSample."""
-        row = self.rows[row_id]
-        where = f"{self.files} row {row_id}"
-        images = [self._load_image(x, where) for x in self._images_of(row)]
-        text = self._render_prompt(str(row[self.prompt_key]), len(images), where)
-        mm_inputs: dict = {}
-        if images:
-            out = self.processor(text=[text], images=images, return_tensors="pt", do_resize=False)
-            mm_inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    def where(self, row_id: int) -> str:
+        """'FILE row N' of table row ``row_id``."""
+        name, row = self.rows.locate(row_id)
+        return f"{name} row {row}"
+
+    # ------------------------------------------------------- start-up check
+
+    def check(self, row_id: int) -> tuple[int, str, str]:
+        """(row_id, "ok" | "long" | "bad", message)."""
+        try:
+            sample = self.sample(row_id, check_length=False)
+            if len(sample.input_ids) > self.max_prompt_length:
+                return (
+                    row_id,
+                    "long",
+                    f"{self.where(row_id)}: {len(sample.input_ids)} tokens",
+                )
+            return row_id, "ok", ""
+        except BadRowError as e:
+            return row_id, "bad", str(e)
+
+    def _check_all(self, workers: int) -> list[int]:
+        """Check every row; return the usable ones. Fills ``overlong`` and ``skipped``."""
+        global _CHECKING
+        row_ids = list(range(len(self.rows)))
+        if workers > 1 and len(row_ids) > 1:
+            size = max(1, len(row_ids) // (workers * 4))
+            chunks = [row_ids[i : i + size] for i in range(0, len(row_ids), size)]
+            _CHECKING = self
+            try:
+                # fork: the children inherit the dataset instead of unpickling a processor each.
+                with multiprocessing.get_context("fork").Pool(workers) as pool:
+                    results = [r for part in pool.map(_check_rows, chunks) for r in part]
+            finally:
+                _CHECKING = None
         else:
-            out = self.processor(text=[text], return_tensors="pt")
-        input_ids = out["input_ids"][0].tolist()
+            results = [self.check(r) for r in row_ids]
+        keep = []
+        for row_id, status, message in results:
+            if status == "ok":
+                keep.append(row_id)
+            elif status == "long":
+                self.overlong.append(row_id)
+            elif self.on_bad_sample is BadSamplePolicy.error:
+                raise DataError(f"{message}\n(data.on_bad_sample=skip leaves such rows out and counts them)")
+            else:
+                self.skipped[row_id] = message
+        if self.overlong:
+            logger.warning(
+                "data: %s: dropped %d of %d rows longer than data.max_prompt_length=%d (first: %s)",
+                self.files, len(self.overlong), len(row_ids), self.max_prompt_length, self.where(self.overlong[0]),
+            )  # fmt: skip
+        if self.skipped:
+            shown = "; ".join(list(self.skipped.values())[:5])
+            logger.warning(
+                "data: %s: skipped %d bad rows of %d (data.on_bad_sample=skip): %s%s",
+                self.files, len(self.skipped), len(row_ids), shown, " ..." if len(self.skipped) > 5 else "",
+            )  # fmt: skip
+        return keep
+
+    # ------------------------------------------------------------- a sample
+
+    def sample(self, row_id: int, *, check_length: bool = True) -> PromptSample:
+        """Row ``row_id`` of the sources (before filtering) as a PromptSample."""
+        row = self.rows.table[row_id]
+        where = self.where(row_id)
+        prompt = row.get(self.prompt_key)
+        if not isinstance(prompt, str):
+            raise BadRowError(
+                where,
+                self.prompt_key,
+                f"the prompt is {type(prompt).__name__} {prompt!r:.60}, not a string",
+            )
+        if not prompt.strip():
+            raise BadRowError(where, self.prompt_key, "the prompt is empty")
+        answer = row.get(self.answer_key)
+        if answer is None:
+            raise BadRowError(
+                where,
+                self.answer_key,
+                "no answer (the value is missing or null); the reward needs one",
+            )
+
+        images = self._images(row, where)
+        videos = self._videos(row, where)
+        text = self._render_prompt(prompt, len(images), len(videos), where)
         raw_prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        for kind, token_id, count in (
+            ("image", self.mrope.image_token_id, len(images)),
+            ("video", self.mrope.video_token_id, len(videos)),
+        ):
+            if raw_prompt_ids.count(token_id) != count:
+                raise BadRowError(
+                    where, self.prompt_key,
+                    f"the rendered prompt holds {raw_prompt_ids.count(token_id)} {kind} pad tokens for {count} {kind}s; "
+                    f"the prompt text (or data.format_prompt) must not contain the model's own vision tokens, "
+                    f"use {IMAGE_PLACEHOLDER} / {VIDEO_PLACEHOLDER}",
+                )  # fmt: skip
+
+        out = self._process(text, images, videos, where)
+        input_ids = out["input_ids"][0].tolist()
+        if check_length and len(input_ids) > self.max_prompt_length:
+            raise OverlongPromptError(
+                f"{where}: the prompt is {len(input_ids)} tokens with its image and video tokens, over "
+                f"data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length, lower "
+                "data.max_pixels, or set data.filter_overlong_prompts=true to drop such rows"
+            )
+        mm_inputs = {k: out[k] for k in MODEL_INPUT_KEYS if k in out}
+        try:
+            # Also the guard against "Image features and image tokens do not match" in the model.
+            position_ids = self.mrope.positions(
+                input_ids,
+                {
+                    **mm_inputs,
+                    **{k: out[k] for k in ("second_per_grid_ts",) if k in out},
+                },
+            )
+        except ValueError as e:
+            raise BadRowError(
+                where,
+                self.image_key if images else self.video_key,
+                f"media tokens do not match the media: {e}",
+            ) from e
+        name, row_in_file = self.rows.locate(row_id)
+        media_keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
         return PromptSample(
             index=row_id,
             raw_prompt_ids=raw_prompt_ids,
             input_ids=input_ids,
             images=images,
             mm_inputs=mm_inputs,
-            ground_truth=str(row[self.answer_key]),
-            data_source=str(row.get("data_source", "unknown")),
+            ground_truth=str(answer),
+            data_source=str(row.get("data_source") or "unknown"),
             prompt_text=text,
-            extra={k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key, self.image_key)},
+            extra={k: v for k, v in row.items() if k not in media_keys},
+            videos=videos,
+            position_ids=position_ids,
+            uid=f"{name}:{row_in_file}",
         )
 
-    def _images_of(self, row: dict) -> list:
-        value = row.get(self.image_key)
-        if value is None:
-            return []
-        return list(value) if isinstance(value, (list, tuple)) else [value]
+    def _images(self, row: dict, where: str) -> list:
+        images = []
+        for n, item in enumerate(_as_list(row.get(self.image_key))):
+            try:
+                image = open_image(item, self.image_dir)
+                images.append(resize_to_grid(image, self.resize_factor, self.min_pixels, self.max_pixels))
+            except MediaError as e:
+                raise BadRowError(where, self.image_key, f"image {n}: {e}") from e
+        return images
 
-    def _load_image(self, item: Any, where: str) -> Image.Image:
-        if isinstance(item, dict):
-            item = item.get("bytes") or item.get("path")
-        try:
-            if isinstance(item, Image.Image):
-                image = item
-            elif isinstance(item, (bytes, bytearray)):
-                image = Image.open(io.BytesIO(item))
-            elif isinstance(item, str):
-                path = Path(item)
-                if not path.is_absolute() and self.image_dir is not None:
-                    path = self.image_dir / path
-                image = Image.open(path)
-            else:
-                raise DataError(f"{where}: cannot read an image from {type(item).__name__}")
-            image = image.convert("RGB")
-        except (OSError, ValueError) as e:
-            if isinstance(e, DataError):
-                raise
-            raise DataError(f"{where}: unreadable image ({e})") from e
-        try:
-            height, width = grid_size(image.height, image.width, self.resize_factor, self.min_pixels, self.max_pixels)
-        except ValueError as e:
-            raise DataError(f"{where}: image of {image.width}x{image.height} px cannot be used ({e})") from e
-        return image.resize((width, height), Image.Resampling.BICUBIC)
+    def _videos(self, row: dict, where: str) -> list[Video]:
+        videos = []
+        value = row.get(self.video_key)
+        # One file, or a list of videos each a file or a list of frames.
+        for n, item in enumerate([value] if isinstance(value, str) else _as_list(value)):
+            try:
+                videos.append(
+                    load_video(
+                        item,
+                        self.image_dir,
+                        self.video_fps,
+                        self.patch_size,
+                        self.min_pixels,
+                        self.max_pixels,
+                    )
+                )
+            except MediaError as e:
+                raise BadRowError(where, self.video_key, f"video {n}: {e}") from e
+        return videos
 
-    def _render_prompt(self, prompt: str, n_images: int, where: str) -> str:
+    def _process(self, text: str, images: list, videos: list[Video], where: str) -> dict:
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            kwargs["videos"] = [v.frames for v in videos]
+            # The frames are already sampled: the processor must not sample again, and
+            # needs their rate for the temporal positions (Qwen2.5-VL) and timestamps (Qwen3-VL).
+            kwargs["video_metadata"] = [
+                VideoMetadata(
+                    total_num_frames=v.frames.shape[0],
+                    fps=v.fps,
+                    frames_indices=list(range(v.frames.shape[0])),
+                )
+                for v in videos
+            ]
+            kwargs["do_sample_frames"] = False
+            kwargs["fps"] = self.video_fps
+        try:
+            # do_resize=False: the media are on the grid already, as vLLM gets them.
+            return self.processor(text=[text], return_tensors="pt", do_resize=False, **kwargs)
+        except (ValueError, TypeError, RuntimeError) as e:
+            key = self.video_key if videos else self.image_key
+            raise BadRowError(
+                where,
+                key,
+                f"the processor rejected the row's media ({type(e).__name__}: {e})",
+            ) from e
+
+    def _render_prompt(self, prompt: str, n_images: int, n_videos: int, where: str) -> str:
         if self.format_template is not None:
             prompt = self.format_template.render(content=prompt)
-        n_placeholders = prompt.count(IMAGE_PLACEHOLDER)
-        if n_placeholders not in (0, n_images):
-            raise DataError(
-                f"{where}: the prompt has {n_placeholders} {IMAGE_PLACEHOLDER} placeholders but the row has "
-                f"{n_images} images; they must match, or the prompt must have none (images then go first)"
-            )
-        if n_placeholders == 0:
-            content = [{"type": "image"} for _ in range(n_images)]
-            if prompt:
-                content.append({"type": "text", "text": prompt})
-        else:
-            content = []
-            for i, piece in enumerate(prompt.split(IMAGE_PLACEHOLDER)):
-                if i > 0:
-                    content.append({"type": "image"})
-                if piece:
-                    content.append({"type": "text", "text": piece})
+        counts = {
+            IMAGE_PLACEHOLDER: prompt.count(IMAGE_PLACEHOLDER),
+            VIDEO_PLACEHOLDER: prompt.count(VIDEO_PLACEHOLDER),
+        }
+        for placeholder, n_items, key, kind in (
+            (IMAGE_PLACEHOLDER, n_images, self.image_key, "images"),
+            (VIDEO_PLACEHOLDER, n_videos, self.video_key, "videos"),
+        ):
+            if counts[placeholder] not in (0, n_items):
+                raise BadRowError(
+                    where, key,
+                    f"the prompt has {counts[placeholder]} {placeholder} placeholders but the row has {n_items} {kind}; "
+                    f"they must match, or the prompt must have none ({kind} then go first)",
+                )  # fmt: skip
+        # Media without placeholders go first, images before videos.
+        content: list[dict] = []
+        if counts[IMAGE_PLACEHOLDER] == 0:
+            content += [{"type": "image"}] * n_images
+        if counts[VIDEO_PLACEHOLDER] == 0:
+            content += [{"type": "video"}] * n_videos
+        for piece in _PLACEHOLDER.split(prompt):
+            if piece == IMAGE_PLACEHOLDER and n_images:
+                content.append({"type": "image"})
+            elif piece == VIDEO_PLACEHOLDER and n_videos:
+                content.append({"type": "video"})
+            elif piece:
+                content.append({"type": "text", "text": piece})
         messages = [{"role": "user", "content": content}]
         return self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+            messages,
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self.chat_template,
         )

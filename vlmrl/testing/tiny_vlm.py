@@ -240,8 +240,149 @@ def build_tiny_qwen2_5_vl(out_dir: Path, seed: int) -> None:
     processor.save_pretrained(out_dir)
 
 
+def _qwen_token_ids(tokenizer) -> tuple[dict[str, int], dict[str, int]]:
+    """(the tokenizer's special ids by token, the vision token ids a Qwen-VL config names)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    vision = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return ids, vision
+
+
+def _save_tiny(out_dir: Path, model_cls, config, seed: int, ids: dict[str, int], processor) -> None:
+    """Initialise ``model_cls(config)`` from ``seed`` and save it with its processor."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+
+
+def _tiny_text_config(tokenizer, ids: dict[str, int], vision_ids: dict[str, int], mrope_section: list[int]) -> dict:
+    """The language model of every tiny family: 2 layers, hidden 128, head_dim 64, one KV head."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        dtype="float32",
+        initializer_range=INIT_STD,
+        **vision_ids,
+    )
+
+
+def build_tiny_qwen2_vl(out_dir: Path, seed: int) -> None:
+    """Qwen2-VL: the 2.5 layout without windowed attention, with a LayerNorm/GELU vision tower."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = build_qwen_tokenizer()
+    ids, vision_ids = _qwen_token_ids(tokenizer)
+    config = Qwen2VLConfig(
+        text_config=_tiny_text_config(tokenizer, ids, vision_ids, mrope_section=[8, 12, 12]),
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            hidden_size=128,  # Qwen2-VL's vision hidden_size is the merger's output: the LM's width
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=INIT_STD,
+        ),
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        dtype="float32",
+        **vision_ids,
+    )
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(
+            min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, min_frames=2, max_frames=8, cap_pixels_per_frame=True
+        ),
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    _save_tiny(out_dir, Qwen2VLForConditionalGeneration, config, seed, ids, processor)
+
+
+# Qwen3-VL's vision tower works on 16-px patches: the same token budgets as above in its 32-px grid.
+QWEN3_MIN_PIXELS = 32 * 32 * 4
+QWEN3_MAX_PIXELS = 32 * 32 * 64
+
+
+def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
+    """Qwen3-VL: 16-px patches, learned vision positions, deepstack features, interleaved mrope."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    tokenizer = build_qwen_tokenizer()
+    ids, vision_ids = _qwen_token_ids(tokenizer)
+    text_config = _tiny_text_config(tokenizer, ids, vision_ids, mrope_section=[8, 12, 12])
+    text_config["head_dim"] = 64
+    text_config["rope_parameters"]["mrope_interleaved"] = True
+    config = Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=128,
+            num_position_embeddings=64,  # an 8x8 table, interpolated to each image's grid
+            deepstack_visual_indexes=[0],
+            initializer_range=INIT_STD,
+        ),
+        tie_word_embeddings=False,
+        dtype="float32",
+        **vision_ids,
+    )
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            patch_size=16, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        ),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(
+            size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS * 8}, min_frames=2, max_frames=8
+        ),
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, seed, ids, processor)
+
+
 FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "qwen2_vl": build_tiny_qwen2_vl,
+    "qwen3_vl": build_tiny_qwen3_vl,
 }
 
 

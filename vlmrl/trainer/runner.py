@@ -38,6 +38,10 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
         format_prompt=data.format_prompt,
         override_chat_template=data.override_chat_template,
         filter_overlong_prompts=data.filter_overlong_prompts,
+        filter_overlong_prompts_workers=data.filter_overlong_prompts_workers,
+        video_key=data.video_key,
+        video_fps=data.video_fps,
+        on_bad_sample=data.on_bad_sample,
     )
 
 

@@ -2,8 +2,11 @@
 
 Prompts are left-padded to ``max_prompt_length`` and responses right-padded to
 ``max_response_length``, so batches from different workers have the same
-width and concatenate. Positions are Qwen-VL's 3-D rotary ids, computed by the
-model's own ``get_rope_index`` from the expanded prompt and the image grids.
+width and concatenate. Positions are Qwen-VL's 3-D rotary ids: the prompt's come
+from the dataset (``PromptSample.position_ids``, the positions vLLM uses too),
+and the response continues one past the prompt's largest position, on all
+three axes, as text does. A sample without positions (built by hand) gets them
+from the model's own ``get_rope_index``, which agrees for images.
 """
 
 from __future__ import annotations
@@ -33,6 +36,19 @@ def rope_positions(model: torch.nn.Module, input_ids, attention_mask, mm_inputs:
         attention_mask=attention_mask,
     )
     return position_ids.transpose(0, 1).contiguous()  # (3, B, S) -> (B, 3, S)
+
+
+def padded_positions(prompt_positions: torch.Tensor, max_prompt_length: int, max_response_length: int) -> torch.Tensor:
+    """(3, P + R) positions of a left-padded prompt of positions ``prompt_positions`` (3, p) and its response.
+
+    Padding gets 0, as ``get_rope_index`` gives it; the response's tokens are text,
+    numbered on from the prompt's largest position.
+    """
+    out = torch.zeros((3, max_prompt_length + max_response_length), dtype=torch.long)
+    p = prompt_positions.shape[1]
+    out[:, max_prompt_length - p : max_prompt_length] = prompt_positions
+    out[:, max_prompt_length:] = int(prompt_positions.max()) + 1 + torch.arange(max_response_length)
+    return out
 
 
 def build_batch(
@@ -66,10 +82,16 @@ def build_batch(
     input_ids = torch.cat([prompts, responses], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     mm_inputs = [g.prompt.mm_inputs for g in generations]
+    if all(g.prompt.position_ids is not None for g in generations):
+        position_ids = torch.stack(
+            [padded_positions(g.prompt.position_ids, max_prompt_length, max_response_length) for g in generations]
+        )
+    else:
+        position_ids = rope_positions(model, input_ids, attention_mask, mm_inputs)
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=rope_positions(model, input_ids, attention_mask, mm_inputs),
+        position_ids=position_ids,
         responses=responses,
         response_mask=response_mask,
         group_ids=torch.tensor([g.group_id for g in generations], dtype=torch.long),

@@ -147,8 +147,8 @@ class VLLMRollout:
             p.seed = self.seed * 1_000_000_007 + group_id * sampling.n
             params.append(p)
         requests = [
-            {"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}}
-            if p.images
+            {"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": mm}
+            if (mm := p.multi_modal_data)
             else {"prompt_token_ids": p.raw_prompt_ids}
             for p in prompts
         ]

@@ -1,0 +1,147 @@
+"""Where rows come from: local files, directories, saved datasets and the HF hub, read into one table.
+
+``data.train_files`` is a comma-separated list. Each entry is one of:
+
+- a ``.parquet``, ``.json``, ``.jsonl`` or ``.arrow`` file;
+- a directory written by ``datasets.Dataset.save_to_disk``;
+- any other directory: every file of those types under it, in sorted path order;
+- ``owner/name@split`` (or ``owner/name``, split ``train``): a dataset on the HF hub.
+
+The rows of all entries are concatenated in order. Every row keeps its origin
+(the file it was read from and its index there), so that an error can say
+where to look.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+from vlmrl.data.errors import DataError
+
+# File suffix -> the `datasets` builder that reads it.
+BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.\-\[\]:%]+)?$")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """A run of consecutive rows of the table that came from one file (or saved dataset)."""
+
+    name: str
+    start: int
+    """Index in the table of the file's first row."""
+
+
+class Rows:
+    """The concatenated table and the origin of each of its rows."""
+
+    def __init__(self, table: datasets.Dataset, origins: list[Origin]):
+        self.table = table
+        self.origins = origins
+        self._starts = [o.start for o in origins]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def locate(self, row_id: int) -> tuple[str, int]:
+        """(file, row index within that file) of table row ``row_id``."""
+        origin = self.origins[bisect.bisect_right(self._starts, row_id) - 1]
+        return origin.name, row_id - origin.start
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _files_under(path: Path) -> list[Path]:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"{path}: a directory with no {', '.join(BUILDERS)} files in it")
+    return files
+
+
+def _read_file(path: Path) -> datasets.Dataset:
+    builder = BUILDERS.get(path.suffix)
+    if builder is None:
+        raise DataError(
+            f"{path}: unsupported data file type {path.suffix.lstrip('.')!r}; use {', '.join(BUILDERS)} files, "
+            "a directory of them, a datasets.save_to_disk directory or a hub name@split"
+        )
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # any reader failure is the file's fault, named as such
+        raise DataError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {e})") from e
+
+
+def _read_saved(path: Path, split: str | None) -> datasets.Dataset:
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None:
+            if len(loaded) != 1:
+                raise DataError(f"{path}: a saved dataset with splits {sorted(loaded)}; name one as {path}@SPLIT")
+            split = next(iter(loaded))
+        if split not in loaded:
+            raise DataError(f"{path}: no split {split!r} (splits: {sorted(loaded)})")
+        return loaded[split]
+    return loaded
+
+
+def _read_hub(entry: str) -> datasets.Dataset:
+    name, _, split = entry.partition("@")
+    try:
+        return datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # network, auth and naming errors all end here
+        raise DataError(
+            f"{entry}: cannot load hub dataset {name!r}, split {split or 'train'!r} ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _read_entry(entry: str) -> list[tuple[str, datasets.Dataset]]:
+    """The (name, table) pieces one comma-separated entry stands for."""
+    path, split = Path(entry), None
+    if not path.exists() and "@" in entry and Path(entry.rsplit("@", 1)[0]).is_dir():
+        path, split = Path(entry.rsplit("@", 1)[0]), entry.rsplit("@", 1)[1]
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return [(entry, _read_saved(path, split))]
+        return [(str(f), _read_file(f)) for f in _files_under(path)]
+    if path.is_file():
+        return [(entry, _read_file(path))]
+    if path.suffix in BUILDERS or not _HUB_NAME.match(entry):
+        raise DataError(f"{entry}: no such file or directory")
+    return [(entry, _read_hub(entry))]
+
+
+def load_rows(files: str) -> Rows:
+    """Read a comma-separated list of sources into one table, aligned to the first one's schema."""
+    entries = [e.strip() for e in files.split(",") if e.strip()]
+    if not entries:
+        raise DataError(
+            "no data files given; set data.train_files (and data.val_files) to a file, directory or name@split"
+        )
+    pieces = [piece for entry in entries for piece in _read_entry(entry)]
+    first_name, first = pieces[0]
+    origins, tables, start = [], [], 0
+    for name, table in pieces:
+        if set(table.column_names) != set(first.column_names):
+            raise DataError(
+                f"{name}: columns {sorted(table.column_names)} differ from {first_name}'s "
+                f"{sorted(first.column_names)}; sources listed together must have the same columns"
+            )
+        # Same columns can still differ in type (a jsonl "string" next to a pandas
+        # parquet "large_string"); each piece is cast to the first one's schema.
+        if table is not first and table.features != first.features:
+            try:
+                table = table.cast(first.features)
+            except (ValueError, TypeError) as e:
+                raise DataError(f"{name}: column types differ from {first_name}'s and cannot be converted ({e})") from e
+        origins.append(Origin(name, start))
+        tables.append(table)
+        start += len(table)
+    table = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
+    return Rows(table, origins)
