@@ -243,12 +243,12 @@ def build_tiny_qwen2_5_vl(out_dir: Path, seed: int) -> None:
 def _qwen_token_ids(tokenizer) -> tuple[dict[str, int], dict[str, int]]:
     """(the tokenizer's special ids by token, the vision token ids a Qwen-VL config names)."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    vision = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
+    vision = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
     return ids, vision
 
 
@@ -268,22 +268,22 @@ def _save_tiny(out_dir: Path, model_cls, config, seed: int, ids: dict[str, int],
 
 def _tiny_text_config(tokenizer, ids: dict[str, int], vision_ids: dict[str, int], mrope_section: list[int]) -> dict:
     """The language model of every tiny family: 2 layers, hidden 128, head_dim 64, one KV head."""
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        dtype="float32",
-        initializer_range=INIT_STD,
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "dtype": "float32",
+        "initializer_range": INIT_STD,
         **vision_ids,
-    )
+    }
 
 
 def build_tiny_qwen2_vl(out_dir: Path, seed: int) -> None:
@@ -300,17 +300,17 @@ def build_tiny_qwen2_vl(out_dir: Path, seed: int) -> None:
     ids, vision_ids = _qwen_token_ids(tokenizer)
     config = Qwen2VLConfig(
         text_config=_tiny_text_config(tokenizer, ids, vision_ids, mrope_section=[8, 12, 12]),
-        vision_config=dict(
-            depth=2,
-            embed_dim=64,
-            hidden_size=128,  # Qwen2-VL's vision hidden_size is the merger's output: the LM's width
-            mlp_ratio=2,
-            num_heads=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            initializer_range=INIT_STD,
-        ),
+        vision_config={
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": 128,  # Qwen2-VL's vision hidden_size is the merger's output: the LM's width
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "initializer_range": INIT_STD,
+        },
         tie_word_embeddings=False,
         initializer_range=INIT_STD,
         dtype="float32",
@@ -349,19 +349,19 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
     text_config["rope_parameters"]["mrope_interleaved"] = True
     config = Qwen3VLConfig(
         text_config=text_config,
-        vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=128,
-            num_position_embeddings=64,  # an 8x8 table, interpolated to each image's grid
-            deepstack_visual_indexes=[0],
-            initializer_range=INIT_STD,
-        ),
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 128,
+            "num_position_embeddings": 64,  # an 8x8 table, interpolated to each image's grid
+            "deepstack_visual_indexes": [0],
+            "initializer_range": INIT_STD,
+        },
         tie_word_embeddings=False,
         dtype="float32",
         **vision_ids,
