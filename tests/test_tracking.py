@@ -20,7 +20,7 @@ from PIL import Image
 
 from vlmrl.config import Config, ConfigError, load_config, to_dict
 from vlmrl.trainer.loggers.base import RunInfo, ValidationSample, flatten, image_strip
-from vlmrl.trainer.loggers.console import format_line
+from vlmrl.trainer.loggers.console import ConsoleLogger, format_line
 from vlmrl.trainer.loggers.mlflow_logger import mlflow_key
 from vlmrl.trainer.perf import (
     FlopsModel,
@@ -176,6 +176,39 @@ def test_console_line_shows_the_watched_metrics_in_a_fixed_order():
     assert line == "step 7 | reward 0.500 | val 0.250 | kl 1.20e-03 | mfu 1.23%"
 
 
+def test_console_summary_reports_first_and_last_validation_across_a_resume(tmp_path, capsys):
+    first = ConsoleLogger(run_info(tmp_path))
+    first.log({"val/reward/overall": 0.1, "val/reward/accuracy": 0.0}, 0)
+    first.log({"reward/overall": 0.3}, 1)
+    first.log({"val/reward/overall": 0.5, "val/reward/accuracy": 0.4, "val/synthetic_colour/accuracy": 0.4}, 2)
+    state = json.loads(json.dumps(first.state()))  # it travels in the checkpoint as JSON
+
+    # The resumed process starts its summary from the run's first validation, not its own.
+    second = ConsoleLogger(run_info(tmp_path), state)
+    second.log({"reward/overall": 0.7}, 3)
+    second.log({"val/reward/overall": 0.9, "val/reward/accuracy": 0.875}, 4)
+    capsys.readouterr()
+    second.close()
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[0].startswith("run summary: 4 steps in 0m")
+    assert summary[1:] == [
+        "  val accuracy: 0.000 (step 0) -> 0.875 (step 4)",
+        "  val overall: 0.100 (step 0) -> 0.900 (step 4)",
+    ]
+    assert state["seconds"] >= 0 and second.state()["seconds"] >= state["seconds"]
+
+
+def test_console_summary_says_when_no_validation_ran_and_stays_quiet_on_failure(tmp_path, capsys):
+    logger = ConsoleLogger(run_info(tmp_path))
+    logger.log({"reward/overall": 0.3}, 1)
+    capsys.readouterr()
+    logger.close()
+    assert "no validation ran" in capsys.readouterr().out
+    failed = ConsoleLogger(run_info(tmp_path))
+    failed.close(failed=True)
+    assert capsys.readouterr().out == ""
+
+
 def test_image_strip_puts_a_prompts_images_side_by_side():
     a, b = Image.new("RGB", (56, 28), "red"), Image.new("RGB", (28, 56), "blue")
     strip = image_strip([a, b])
@@ -249,7 +282,9 @@ def test_a_second_tracker_with_the_first_ones_state_continues_the_same_mlflow_ru
     resumed_info = run_info(tmp_path)
     resumed_info.config["trainer"]["max_steps"] = 9
     second = Tracker([LoggerName.console, LoggerName.mlflow], resumed_info, resume_state=state)
-    assert second.state() == state
+    assert second.state()["mlflow"] == state["mlflow"]
+    # The console's summary state goes on from where the first process left it.
+    assert second.state()["console"]["first_val"] == state["console"]["first_val"] == {"step": 2, "scores": {"overall": 0.3}}
     second.log({"reward/overall": 0.4, "val/reward/overall": 0.5}, 3)
     second.log_samples([sample(3, "green")], 3)
     assert client.get_run(run_id).info.status == "RUNNING"
