@@ -851,12 +851,7 @@ def _show(value: Any) -> str:
 
 # ------------------------------------------------------------------ validation
 
-GROUP_ESTIMATORS = {
-    AdvantageEstimator.grpo,
-    AdvantageEstimator.rloo,
-    AdvantageEstimator.grpo_passk,
-    AdvantageEstimator.reinforce_plus_plus_baseline,
-}
+GROUP_ESTIMATORS = {e for e, spec in core_algos.ADVANTAGE_ESTIMATORS.items() if spec.needs_groups}
 """Estimators whose baseline comes from the other samples of the same prompt."""
 
 
@@ -882,7 +877,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
 
 
 def uses_critic(config: Config) -> bool:
-    return config.algorithm.adv_estimator is AdvantageEstimator.gae
+    return core_algos.ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
 
 
 def uses_reference(config: Config) -> bool:
@@ -1332,14 +1327,8 @@ def _not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
     todo: list[tuple[bool, str, str]] = [  # (applies?, "key=value", fix)
         (algo.adv_estimator not in core_algos.ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator={algo.adv_estimator.value}",
          "use one of: " + ", ".join(e.value for e in core_algos.ADVANTAGE_ESTIMATORS)),
-        (not algo.disable_kl and not algo.use_kl_loss, "algorithm.use_kl_loss=false (a KL penalty in the reward)",
-         "set algorithm.use_kl_loss=true or algorithm.disable_kl=true"),
         (not algo.disable_kl and algo.kl_penalty is KLEstimator.full, "algorithm.kl_penalty=full",
          "the actor keeps only the sampled tokens' log-probs; use low_var_kl, kl, mse or abs"),
-        (algo.online_filtering, "algorithm.online_filtering=true", "set algorithm.online_filtering=false"),
-        (actor.loss_type is not PolicyLossType.default, f"worker.actor.loss_type={actor.loss_type.value}",
-         "set worker.actor.loss_type=default"),
-        (actor.entropy_coeff != 0, f"worker.actor.entropy_coeff={actor.entropy_coeff}", "set worker.actor.entropy_coeff=0"),
         (config.data.mini_rollout_batch_size not in (None, config.data.rollout_batch_size),
          f"data.mini_rollout_batch_size={config.data.mini_rollout_batch_size}",
          "unset it (null) to generate each step at once"),

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vlmrl.trainer.core_algos import ADVANTAGE_ESTIMATORS
+
 if TYPE_CHECKING:
     from vlmrl.config import Config
 
@@ -137,7 +139,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     checkpoint_dir = config.trainer.save_checkpoint_path or str(
         experiment_dir / "checkpoints"
     )
-    use_critic = config.algorithm.adv_estimator.value == "gae"
+    use_critic = ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
     model_path = actor.model.model_path
     val = rollout.val_override_config
     return Plan(
@@ -182,7 +184,7 @@ def _notes(config: Config) -> tuple[str, ...]:
     notes = []
     worker = config.worker
     sections = [("worker.actor", worker.actor)]
-    if config.algorithm.adv_estimator.value == "gae":
+    if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic:
         sections.append(("worker.critic", worker.critic))
     for section, cfg in sections:
         if cfg.padding_free:
