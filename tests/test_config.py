@@ -71,12 +71,12 @@ def assert_one_problem_each(problems: list[str], expected: list[str]) -> None:
 
 def test_quickstart_loads_with_its_values_and_tiny_assets(tiny_assets):
     config = load_config([QUICKSTART])
-    assert config.data.train_files == str(tiny_assets.train_file)
-    assert config.data.val_files == str(tiny_assets.val_file)
-    assert config.worker.actor.model.model_path == str(tiny_assets.model_dir)
+    assert config.data.train_files == str(tiny_assets.quickstart_train_file)
+    assert config.data.val_files == str(tiny_assets.quickstart_val_file)
+    assert config.worker.actor.model.model_path == str(tiny_assets.quickstart_model_dir)
     assert config.worker.rollout.n == 8
     assert config.algorithm.kl_coef == pytest.approx(1e-3)
-    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.1}
+    assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.0}
 
 
 def test_yaml_beats_defaults_and_cli_beats_yaml():
@@ -1075,7 +1075,7 @@ def test_performance_only_settings_become_plan_notes():
     config = load_config(
         [
             QUICKSTART,
-            "worker.actor.padding_free=true",
+            "worker.actor.padding_free=true",  # implemented: no note
             "worker.actor.dynamic_batching=true",
             "worker.actor.use_torch_compile=true",
             "worker.actor.fsdp.enable_rank0_init=true",
@@ -1084,11 +1084,28 @@ def test_performance_only_settings_become_plan_notes():
     )
     notes = resolve(config, CPU).notes
     assert [n.split(":")[0] for n in notes] == [
-        "worker.actor.padding_free=true",
-        "worker.actor.dynamic_batching=true",
         "worker.actor.use_torch_compile=true",
         "worker.actor.fsdp.enable_rank0_init=true",
     ]
+
+
+def test_dynamic_batching_budgets_default_to_easyr1s_and_must_hold_a_sequence():
+    # quickstart: micro-batches of 4 (update) and 16 (experience); prompt + response = longest
+    config = load_config([QUICKSTART, "worker.actor.dynamic_batching=true"], CPU)
+    plan = resolve(config, CPU)
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    micro = config.worker.actor
+    assert plan.update_token_budget == micro.micro_batch_size_per_device_for_update * longest
+    assert plan.experience_token_budget == micro.micro_batch_size_per_device_for_experience * longest
+    explicit = load_config(
+        [QUICKSTART, "worker.actor.dynamic_batching=true", f"worker.actor.max_token_len_per_device_for_update={longest}"],
+        CPU,
+    )
+    assert resolve(explicit, CPU).update_token_budget == longest
+    assert resolve(load_config([QUICKSTART], CPU), CPU).update_token_budget is None  # fixed micro-batches
+    with pytest.raises(ConfigError) as err:
+        load_config([QUICKSTART, f"worker.actor.max_token_len_per_device_for_experience={longest - 1}"], CPU)
+    assert "a micro-batch must hold a full sequence" in str(err.value)
 
 
 def test_the_plan_follows_the_cluster_and_val_overrides():

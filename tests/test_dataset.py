@@ -375,7 +375,7 @@ def test_golden_prompt_with_the_quickstart_format_prompt(tmp_path, processor):
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\n"
         "<|vision_start|><|image_pad|><|vision_end|>"
-        "What colour is the shape? Answer with one word (red, green, blue or yellow) inside <answer></answer> tags."
+        "What colour is the shape? Answer with one word: red, green, blue or yellow."
         "<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
@@ -387,9 +387,7 @@ def test_the_shared_synthetic_data_renders_with_the_quickstart_settings(tiny_ass
     ds = dataset(str(tiny_assets.val_file), processor, format_prompt=COLOUR_FORMAT, max_prompt_length=128)
     sample = ds[0]
     assert user_turn(sample.prompt_text).startswith(VISION_BLOCK + "What colour is the shape?")
-    assert user_turn(sample.prompt_text).endswith(
-        "What colour is the shape? Answer with one word (red, green, blue or yellow) inside <answer></answer> tags."
-    )
+    assert user_turn(sample.prompt_text).endswith("What colour is the shape? Answer with one word: red, green, blue or yellow.")
     # The quickstart's comment: 4 to 16 image tokens per image.
     assert all(4 <= n <= 16 for n in tokens_per_image(sample, processor.image_processor.merge_size))
 

@@ -76,3 +76,28 @@ def test_hf_datasets_decodes_images(tiny_assets):
 def test_unknown_task_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="synthetic_colour"):
         write_synthetic_dataset(tmp_path, task="counting")
+
+
+def test_quickstart_task_is_one_large_shape_on_a_white_84px_canvas(tmp_path):
+    train, _ = write_synthetic_dataset(tmp_path, n_train=32, n_val=1, seed=0, task="shape_colour")
+    rows = _rows(train)
+    assert {row["answer"] for row in rows} == set(COLOURS)
+    for row in rows:
+        assert row["data_source"] == "shape_colour" and row["problem"] == "<image>What colour is the shape?"
+        image = Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB")
+        assert image.size == (84, 84) and image.getpixel((0, 0)) in {(255, 255, 255), COLOURS[row["answer"]]}
+        assert _shape_colour(image) == row["answer"]
+        # The shape's box is at least half the side, so even a triangle covers over 1/10 of the canvas.
+        covered = sum(1 for rgb in image.getdata() if rgb == COLOURS[row["answer"]])
+        assert covered > 84 * 84 / 10, covered
+
+
+def test_blank_images_keep_the_rows_and_remove_the_shapes(tmp_path):
+    shapes = write_synthetic_dataset(tmp_path / "shapes", n_train=16, n_val=8, seed=0, task="shape_colour")
+    blank = write_synthetic_dataset(tmp_path / "blank", n_train=16, n_val=8, seed=0, task="shape_colour", blank_images=True)
+    for with_shape, without in zip(shapes, blank):
+        a, b = _rows(with_shape), _rows(without)
+        assert [(r["problem"], r["answer"]) for r in a] == [(r["problem"], r["answer"]) for r in b]
+        for row in b:
+            image = Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB")
+            assert image.size == (84, 84) and image.getcolors() == [(84 * 84, (255, 255, 255))]

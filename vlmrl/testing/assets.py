@@ -23,20 +23,34 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.testing import synthetic, tiny_vlm
+from vlmrl.testing import format_tune, synthetic, tiny_vlm
 
 FAMILY = "qwen2_5_vl"
 SEED = 0
 N_TRAIN = 256
 N_VAL = 64
+# The quickstart's own task and sizes (examples/quickstart.yaml).
+QUICKSTART_TASK = "shape_colour"
+QUICKSTART_N_TRAIN = 1024
+QUICKSTART_N_VAL = 128
 _MARKER = "COMPLETE"
 
 
 @dataclass(frozen=True)
 class TinyAssets:
     model_dir: Path
+    """The random-init tiny Qwen2.5-VL."""
     train_file: Path
     val_file: Path
+    """The synthetic colour task (varied canvases), for tests."""
+    quickstart_model_dir: Path
+    """``model_dir`` format-tuned (``vlmrl.testing.format_tune``): answers with a random colour word."""
+    quickstart_train_file: Path
+    quickstart_val_file: Path
+    """The quickstart's task: one large shape on a white canvas."""
+    quickstart_blank_train_file: Path
+    quickstart_blank_val_file: Path
+    """The same rows with the shapes removed: the baseline of a policy that cannot see."""
 
 
 def default_cache_dir() -> Path:
@@ -48,9 +62,9 @@ def default_cache_dir() -> Path:
 def assets_version() -> str:
     """Hash of everything that decides the bytes of the built assets."""
     digest = hashlib.sha256()
-    for module in (tiny_vlm, synthetic):
+    for module in (tiny_vlm, synthetic, format_tune):
         digest.update(Path(module.__file__).read_bytes())
-    digest.update(f"{FAMILY}:{SEED}:{N_TRAIN}:{N_VAL}".encode())
+    digest.update(f"{FAMILY}:{SEED}:{N_TRAIN}:{N_VAL}:{QUICKSTART_N_TRAIN}:{QUICKSTART_N_VAL}".encode())
     digest.update(importlib.metadata.version("transformers").encode())
     return digest.hexdigest()[:12]
 
@@ -60,6 +74,11 @@ def _layout(root: Path) -> TinyAssets:
         model_dir=root / f"tiny-{FAMILY}",
         train_file=root / "data" / "train.parquet",
         val_file=root / "data" / "val.parquet",
+        quickstart_model_dir=root / f"tiny-{FAMILY}-format-tuned",
+        quickstart_train_file=root / "quickstart" / "train.parquet",
+        quickstart_val_file=root / "quickstart" / "val.parquet",
+        quickstart_blank_train_file=root / "quickstart-blank" / "train.parquet",
+        quickstart_blank_val_file=root / "quickstart-blank" / "val.parquet",
     )
 
 
@@ -67,6 +86,11 @@ def _build(root: Path) -> None:
     assets = _layout(root)
     tiny_vlm.build_tiny_vlm(assets.model_dir, family=FAMILY, seed=SEED)
     synthetic.write_synthetic_dataset(assets.train_file.parent, n_train=N_TRAIN, n_val=N_VAL, seed=SEED)
+    for blank, train_file in ((False, assets.quickstart_train_file), (True, assets.quickstart_blank_train_file)):
+        synthetic.write_synthetic_dataset(
+            train_file.parent, QUICKSTART_N_TRAIN, QUICKSTART_N_VAL, SEED, task=QUICKSTART_TASK, blank_images=blank
+        )
+    format_tune.format_tune(assets.model_dir, assets.quickstart_model_dir, task=QUICKSTART_TASK, seed=SEED)
     # Written last: its presence means every file above is complete.
     (root / _MARKER).write_text(assets_version() + "\n")
 
@@ -100,9 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl")
     args = parser.parse_args(argv)
     assets = ensure_tiny_assets(args.cache_dir)
-    print(f"model_dir={assets.model_dir}")
-    print(f"train_file={assets.train_file}")
-    print(f"val_file={assets.val_file}")
+    for name, path in vars(assets).items():
+        print(f"{name}={path}")
 
 
 if __name__ == "__main__":
