@@ -132,9 +132,8 @@ def test_an_easyr1_yaml_with_those_settings_changed_validates_and_plans(tiny_ass
     assert (plan.device, plan.world_size) == ("cuda", 8)
     assert plan.samples_per_step_per_device == 512 * 5 // 8
     assert plan.micro_batches_per_update == 128 * 5 // 8  # micro-batches of 1
+    assert (plan.update_token_budget, plan.experience_token_budget) == (1 * 4096, 2 * 4096)  # micro x (2048 + 2048)
     assert [n.split(":")[0] for n in plan.notes] == [
-        "worker.actor.padding_free=true",
-        "worker.actor.dynamic_batching=true",
         "worker.actor.use_torch_compile=true",
         "worker.actor.fsdp.enable_rank0_init=true",
         "worker.ref.fsdp.enable_rank0_init=true",

@@ -111,5 +111,9 @@ def test_outputs_feed_an_actor_forward_of_each_family(model_dirs, tmp_path, fami
         mixed, _ = forward_response(model, batch, 1.0, allowed)
         # Each sample alone gives the same log-probs as in the mixed batch: its media went to it.
         alone = [forward_response(model, batch.select([i]), 1.0, allowed)[0] for i in range(3)]
+        # Padding-free: the three sequences packed into one row, each with its own positions.
+        packed, _ = forward_response(model, batch, 1.0, allowed, padding_free=True)
     assert mixed.shape == (3, 4) and torch.isfinite(mixed).all()
     torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-4, rtol=0)
+    real = batch.response_mask.bool()
+    torch.testing.assert_close(packed[real], mixed[real], atol=1e-4, rtol=0)

@@ -1,4 +1,8 @@
-"""Gradient accumulation is exact: (micro-batches, accumulation) = (full batch, none).
+"""The actor's passes give the same numbers however the batch is cut or laid out.
+
+Gradient accumulation is exact: (micro-batches, accumulation) = (full batch,
+none). Padding-free (packed) passes give the padded passes' log-probs and
+gradients, and dynamic (token-budget) micro-batches the fixed ones'.
 
 The actor's update on the tiny Qwen2.5-VL, in process, on a batch of image
 prompts with ragged response lengths (so token_mean micro-batches hold
@@ -14,7 +18,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.workers.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
 from vlmrl.workers.batching import build_batch
 from vlmrl.workers.rollout import Generation, sampling_mask
 
@@ -69,7 +73,7 @@ def model_and_batch(tiny_assets):
         pad_token_id=processor.tokenizer.pad_token_id,
         model=model,
     )
-    log_probs, _ = compute_log_probs(model, batch, 8, 1.0, allowed)
+    log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
     # Old and reference log-probs a little off the current ones, so ratios leave 1 and some clip.
     batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
     batch.ref_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
@@ -77,7 +81,7 @@ def model_and_batch(tiny_assets):
     return model, batch, allowed
 
 
-def gradients(model, batch, allowed, micro_batch_size, loss_type, mode):
+def gradients(model, batch, allowed, micro_batch_size, loss_type, mode, padding_free=False, max_token_len=None):
     settings = UpdateSettings(
         samples_per_update=len(batch),
         micro_batch_size=micro_batch_size,
@@ -92,6 +96,8 @@ def gradients(model, batch, allowed, micro_batch_size, loss_type, mode):
         kl_estimator=KLEstimator.low_var_kl,
         kl_coef=0.1,
         temperature=1.0,
+        max_token_len=max_token_len,
+        padding_free=padding_free,
     )
     optimizer = RecordingOptimizer(model)
     metrics = update_policy(model, optimizer, batch, settings, allowed)
@@ -117,3 +123,44 @@ def test_micro_batches_with_accumulation_equal_the_full_batch(model_and_batch, l
         torch.testing.assert_close(a, f, rtol=1e-4, atol=1e-7, msg=lambda m, n=name_param[0]: f"{n}: {m}")
     if loss_type is PolicyLossType.default:  # the clipped branches were exercised
         assert full_metrics["actor/pg_clipfrac_higher"] + full_metrics["actor/pg_clipfrac_lower"] > 0
+
+
+def assert_same_gradients(model, got, want):
+    assert any(g.abs().sum() > 0 for g in want)
+    for (name, _), a, f in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(a, f, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_padding_free_log_probs_equal_the_padded_ones(model_and_batch):
+    model, batch, allowed = model_and_batch
+    share = 1 - float(batch.attention_mask.sum()) / batch.attention_mask.numel()
+    assert share > 0.2, share  # the padded layout really carries padding (prompt and response)
+    mask = batch.response_mask.bool()
+    padded, padded_entropy = compute_log_probs(model, batch, MicroBatching(4), 1.0, allowed)
+    packed, packed_entropy = compute_log_probs(model, batch, MicroBatching(4, padding_free=True), 1.0, allowed)
+    torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_entropy[mask], padded_entropy[mask], rtol=0, atol=1e-5)
+    assert (packed[~mask] == 0).all()
+
+
+def test_padding_free_gradients_equal_the_padded_ones(model_and_batch):
+    model, batch, allowed = model_and_batch
+    padded, padded_metrics = gradients(model, batch, allowed, 2, PolicyLossType.default, LossAvgMode.token_mean)
+    packed, packed_metrics = gradients(
+        model, batch, allowed, 2, PolicyLossType.default, LossAvgMode.token_mean, padding_free=True
+    )
+    assert_same_gradients(model, packed, padded)
+    assert packed_metrics["actor/padding_share"] == 0 < padded_metrics["actor/padding_share"]
+
+
+def test_dynamic_micro_batches_equal_the_fixed_ones(model_and_batch):
+    model, batch, allowed = model_and_batch
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    budget = max(lengths) + min(lengths)  # room for two short sequences, never two long ones
+    fixed, _ = gradients(model, batch, allowed, len(batch), PolicyLossType.default, LossAvgMode.seq_mean_token_mean)
+    dynamic, metrics = gradients(
+        model, batch, allowed, 1, PolicyLossType.default, LossAvgMode.seq_mean_token_mean,
+        padding_free=True, max_token_len=budget,
+    )  # fmt: skip
+    assert 1 < metrics["actor/micro_batches"] < len(batch)
+    assert_same_gradients(model, dynamic, fixed)

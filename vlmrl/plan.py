@@ -56,11 +56,7 @@ def device(config: Config, cluster: Cluster) -> str:
 def weights_dtype(config: Config, model: str) -> str:
     """The dtype that ``model`` (actor, ref or critic) is loaded in: its torch_dtype, else the default."""
     worker = config.worker
-    actor = (
-        worker.actor.fsdp.torch_dtype.value
-        if worker.actor.fsdp.torch_dtype
-        else "bfloat16"
-    )
+    actor = worker.actor.fsdp.torch_dtype.value if worker.actor.fsdp.torch_dtype else "bfloat16"
     own = getattr(worker, model).fsdp.torch_dtype
     if own is not None:
         return own.value
@@ -99,6 +95,10 @@ class Plan:
     rollout_response_length: int
     rollout_max_model_len: int
     """Longest sequence the engine serves: worker.rollout.max_model_len, else prompt + response."""
+    update_token_budget: int | None
+    """Dynamic batching: real tokens per update micro-batch per device; None: fixed micro-batches."""
+    experience_token_budget: int | None
+    """Dynamic batching: real tokens per log-prob micro-batch per device; None: fixed micro-batches."""
     actor_dtype: str
     ref_dtype: str
     use_reference: bool
@@ -131,14 +131,8 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     n = rollout.n
     samples_per_step = data.rollout_batch_size * n
     samples_per_update = actor.global_batch_size * n
-    experiment_dir = (
-        Path(config.trainer.output_dir)
-        / config.trainer.project_name
-        / config.trainer.experiment_name
-    )
-    checkpoint_dir = config.trainer.save_checkpoint_path or str(
-        experiment_dir / "checkpoints"
-    )
+    experiment_dir = Path(config.trainer.output_dir) / config.trainer.project_name / config.trainer.experiment_name
+    checkpoint_dir = config.trainer.save_checkpoint_path or str(experiment_dir / "checkpoints")
     use_critic = ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
     model_path = actor.model.model_path
     val = rollout.val_override_config
@@ -152,23 +146,20 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         samples_per_update=samples_per_update,
         samples_per_update_per_device=samples_per_update // world,
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
-        micro_batches_per_update=samples_per_update
-        // world
-        // actor.micro_batch_size_per_device_for_update,
+        micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
         prompts_per_generation=data.mini_rollout_batch_size or data.rollout_batch_size,
         rollout_prompt_length=data.max_prompt_length,
         rollout_response_length=data.max_response_length,
-        rollout_max_model_len=rollout.max_model_len
-        or data.max_prompt_length + data.max_response_length,
+        rollout_max_model_len=rollout.max_model_len or data.max_prompt_length + data.max_response_length,
+        update_token_budget=_token_budget(config, "update"),
+        experience_token_budget=_token_budget(config, "experience"),
         actor_dtype=weights_dtype(config, "actor"),
         ref_dtype=weights_dtype(config, "ref"),
         use_reference=not config.algorithm.disable_kl,
         use_critic=use_critic,
         model_path=model_path,
         tokenizer_path=actor.model.tokenizer_path or model_path,
-        critic_model_path=(worker.critic.model.model_path or model_path)
-        if use_critic
-        else None,
+        critic_model_path=(worker.critic.model.model_path or model_path) if use_critic else None,
         val_n=val.n,
         val_temperature=val.temperature,
         val_top_p=rollout.top_p if val.top_p is None else val.top_p,
@@ -179,6 +170,16 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     )
 
 
+def _token_budget(config: Config, which: str) -> int | None:
+    """With dynamic batching, the token budget of a micro-batch: the key, else EasyR1's micro-batch x longest sequence."""
+    actor = config.worker.actor
+    if not actor.dynamic_batching:
+        return None
+    explicit = getattr(actor, f"max_token_len_per_device_for_{which}")
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    return explicit or getattr(actor, f"micro_batch_size_per_device_for_{which}") * longest
+
+
 def _notes(config: Config) -> tuple[str, ...]:
     """One line per accepted setting that only changes speed and that vlmrl does not act on yet."""
     notes = []
@@ -186,37 +187,25 @@ def _notes(config: Config) -> tuple[str, ...]:
     sections = [("worker.actor", worker.actor)]
     if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic:
         sections.append(("worker.critic", worker.critic))
-    for section, cfg in sections:
-        if cfg.padding_free:
+        # The actor's passes pack and budget tokens; the critic's do not yet.
+        if worker.critic.padding_free:
             notes.append(
-                f"{section}.padding_free=true: vlmrl pads sequences instead (same result, more compute)"
+                "worker.critic.padding_free=true: vlmrl pads the critic's sequences (same result, more compute)"
             )
-        if cfg.dynamic_batching:
-            notes.append(
-                f"{section}.dynamic_batching=true: vlmrl uses fixed micro-batches instead (same result)"
-            )
+        if worker.critic.dynamic_batching:
+            notes.append("worker.critic.dynamic_batching=true: vlmrl uses fixed critic micro-batches (same result)")
     if worker.actor.use_torch_compile:
-        notes.append(
-            "worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)"
-        )
-    models = (
-        ["actor"]
-        + ["ref"] * (not config.algorithm.disable_kl)
-        + ["critic"] * (len(sections) > 1)
-    )
+        notes.append("worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)")
+    models = ["actor"] + ["ref"] * (not config.algorithm.disable_kl) + ["critic"] * (len(sections) > 1)
     for model in models:
         if getattr(worker, model).fsdp.enable_rank0_init:
-            notes.append(
-                f"worker.{model}.fsdp.enable_rank0_init=true: vlmrl loads the checkpoint on every worker"
-            )
+            notes.append(f"worker.{model}.fsdp.enable_rank0_init=true: vlmrl loads the checkpoint on every worker")
     paths = [("worker.actor.model.model_path", worker.actor.model.model_path)]
     if len(sections) > 1:
         paths.append(("worker.critic.model.model_path", worker.critic.model.model_path))
     for key, path in paths:
         if path and is_hub_id(path):
-            notes.append(
-                f"{key}={path}: not a local directory; it is read from the Hugging Face Hub"
-            )
+            notes.append(f"{key}={path}: not a local directory; it is read from the Hugging Face Hub")
     return tuple(notes)
 
 
@@ -224,12 +213,8 @@ def describe(plan: Plan, config: Config) -> str:
     """The resource plan in a few lines, for --dry-run."""
     actor, trainer, rollout = config.worker.actor, config.trainer, config.worker.rollout
     holds = ["an FSDP actor shard"]
-    holds += ["a reference shard"] * plan.use_reference + [
-        "a critic shard"
-    ] * plan.use_critic
-    dtypes = f"actor {plan.actor_dtype}" + (
-        f", reference {plan.ref_dtype}" if plan.use_reference else ""
-    )
+    holds += ["a reference shard"] * plan.use_reference + ["a critic shard"] * plan.use_critic
+    dtypes = f"actor {plan.actor_dtype}" + (f", reference {plan.ref_dtype}" if plan.use_reference else "")
     steps = f"{trainer.total_epochs} epoch(s) x (train prompts // {config.data.rollout_batch_size})"
     if trainer.max_steps:
         steps += f", at most {trainer.max_steps}"
@@ -248,7 +233,13 @@ def describe(plan: Plan, config: Config) -> str:
             f"{plan.micro_batches_per_update} micro-batch(es) of {actor.micro_batch_size_per_device_for_update}; "
             f"{plan.updates_per_step} optimizer step(s) per training step"
         ),
-        f"log-prob passes: micro-batches of {actor.micro_batch_size_per_device_for_experience} per device",
+        (
+            f"log-prob passes: micro-batches of {actor.micro_batch_size_per_device_for_experience} per device"
+            if plan.experience_token_budget is None
+            else f"dynamic micro-batches: up to {plan.experience_token_budget} tokens per log-prob pass, "
+            f"{plan.update_token_budget} per update pass, per device"
+        )
+        + (", padding-free (packed)" if actor.padding_free else ", padded"),
         (
             f"rollout lengths: prompt {plan.rollout_prompt_length}, response {plan.rollout_response_length}, "
             f"engine max_model_len {plan.rollout_max_model_len}"

@@ -8,6 +8,13 @@ sequences otherwise), so (micro-batches, accumulation) gives the gradient of
 These functions take the model as an argument so the same forward serves the
 actor and the frozen reference model. They run inside one worker on its shard
 of the batch; FSDP makes the gradients of all workers agree.
+
+Micro-batches are either a fixed number of samples or, with dynamic batching,
+groups of samples under a token budget (``MicroBatching``). Each forward runs
+on the padded micro-batch or, padding-free, on its real tokens packed into one
+row (``vlmrl.workers.packing``). FSDP gathers parameters on every forward, so
+all ranks run the same number of micro-batches: with dynamic batching they
+agree on the largest count any rank needs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from vlmrl.plan import Plan
 from vlmrl.protocol import Batch
 from vlmrl.trainer import core_algos
 from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
+from vlmrl.workers import packing
+from vlmrl.workers.partition import balanced_partition, parts_for_budget
 
 
 def merged_mm_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -35,12 +44,48 @@ def merged_mm_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     return {key: torch.cat([mm[key] for mm in batch.mm_inputs if key in mm], dim=0) for key in keys}
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a worker's samples are grouped into forward passes."""
+
+    micro_batch_size: int
+    """Samples per pass (fixed micro-batches)."""
+    max_token_len: int | None = None
+    """Dynamic batching: the token budget of a pass (real tokens, prompt + response); None: fixed micro-batches."""
+    padding_free: bool = False
+    """Pack each micro-batch's real tokens into one row instead of running the padded layout."""
+
+    def groups(self, batch: Batch) -> list[list[int]]:
+        """Sample indices of each micro-batch; a collective (all ranks call it) with dynamic batching."""
+        n = len(batch)
+        if self.max_token_len is None:
+            return [list(range(i, min(i + self.micro_batch_size, n))) for i in range(0, n, self.micro_batch_size)]
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        parts = torch.tensor(parts_for_budget(lengths, self.max_token_len))
+        if dist.is_available() and dist.is_initialized():
+            parts = all_reduce(parts, dist.ReduceOp.MAX)
+        return balanced_partition(lengths, int(parts))
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """``tensor`` reduced over all ranks, on CPU; NCCL only reduces CUDA tensors, so it travels there and back."""
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=op)
+    return tensor.cpu()
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def forward_response(
     model: torch.nn.Module,
     batch: Batch,
     temperature: float,
     allowed_tokens: torch.Tensor,
     entropy_grad: bool = False,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of the response tokens under ``model``.
 
@@ -48,33 +93,69 @@ def forward_response(
     the sampling temperature and restricted to the tokens the rollout may
     sample, so they describe the distribution vLLM sampled from. The entropy
     carries a gradient only with ``entropy_grad`` (an entropy bonus in the loss).
+    Padding-free, the values on response padding are 0; padded, they are
+    whatever the padding tokens give. Either way ``response_mask`` drops them.
     """
-    response_length = batch.responses.shape[1]
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids.transpose(0, 1),  # (3, b, S) as Qwen-VL expects
-        use_cache=False,
-        # Logits at positions P-1 .. P+R-2 predict the R response tokens.
-        logits_to_keep=response_length + 1,
-        **merged_mm_inputs(batch),
-    )
-    logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V)
+    device = _device(model)
+    mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
+    if padding_free:
+        packed = packing.pack(batch)
+        out = model(
+            input_ids=packed.input_ids.to(device),
+            attention_mask=None,  # the text-position row marks where each sequence starts
+            position_ids=packed.position_ids.to(device),  # (4, 1, T)
+            use_cache=False,
+            logits_to_keep=packed.logit_index.to(device),
+            **mm,
+        )
+        logits = out.logits[0].float() / temperature  # (K, V)
+        targets = packed.targets.to(device)  # (K,)
+    else:
+        response_length = batch.responses.shape[1]
+        out = model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
+            use_cache=False,
+            # Logits at positions P-1 .. P+R-2 predict the R response tokens.
+            logits_to_keep=response_length + 1,
+            **mm,
+        )
+        logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V)
+        targets = batch.responses.to(device)  # (b, R)
     # finfo.min rather than -inf: masked entries then give p = 0 and p*log p = 0 in the entropy.
-    logits = logits.masked_fill(~allowed_tokens, torch.finfo(logits.dtype).min)
-    log_probs = core_algos.logprobs_from_logits(logits, batch.responses)  # (b, R)
+    logits = logits.masked_fill(~allowed_tokens.to(device), torch.finfo(logits.dtype).min)
+    log_probs = core_algos.logprobs_from_logits(logits, targets)  # (b, R) or (K,)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = core_algos.entropy_from_logits(logits)  # (b, R)
+        entropy = core_algos.entropy_from_logits(logits)  # (b, R) or (K,)
+    if padding_free:
+        shape = tuple(batch.responses.shape)
+        log_probs, entropy = packed.unpack(log_probs, shape), packed.unpack(entropy, shape)
     return log_probs, entropy
+
+
+def computed_tokens(batch: Batch, padding_free: bool) -> int:
+    """Token positions the model body runs for ``batch``: the real ones padding-free, else the padded layout."""
+    return int(batch.attention_mask.sum()) if padding_free else batch.attention_mask.numel()
 
 
 @torch.no_grad()
 def compute_log_probs(
-    model: torch.nn.Module, batch: Batch, micro_batch_size: int, temperature: float, allowed_tokens: torch.Tensor
+    model: torch.nn.Module,
+    batch: Batch,
+    batching: MicroBatching,
+    temperature: float,
+    allowed_tokens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_probs, entropy)``, each ``(B, R)``, micro-batch by micro-batch."""
-    parts = [forward_response(model, mb, temperature, allowed_tokens) for mb in batch.split(micro_batch_size)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    """``(log_probs, entropy)``, each ``(B, R)``, micro-batch by micro-batch, in the batch's row order."""
+    log_probs = torch.zeros(batch.responses.shape)
+    entropy = torch.zeros(batch.responses.shape)
+    for rows in batching.groups(batch):
+        lp, ent = forward_response(
+            model, batch.select(rows), temperature, allowed_tokens, padding_free=batching.padding_free
+        )
+        log_probs[rows], entropy[rows] = lp.cpu(), ent.cpu()
+    return log_probs, entropy
 
 
 @dataclass(frozen=True)
@@ -94,6 +175,13 @@ class UpdateSettings:
     kl_estimator: KLEstimator
     kl_coef: float
     temperature: float
+    max_token_len: int | None = None
+    """Dynamic batching: token budget of an update micro-batch; None: micro_batch_size samples."""
+    padding_free: bool = False
+
+    @property
+    def batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
 
     @classmethod
     def from_config(cls, config: Config, plan: Plan) -> UpdateSettings:
@@ -118,6 +206,8 @@ class UpdateSettings:
             kl_estimator=algo.kl_penalty,
             kl_coef=algo.kl_coef,
             temperature=config.worker.rollout.temperature,
+            max_token_len=plan.update_token_budget,
+            padding_free=actor.padding_free,
         )
 
 
@@ -130,8 +220,7 @@ def global_weight(mask: torch.Tensor, mode: LossAvgMode) -> tuple[torch.Tensor, 
     """
     weight = core_algos.aggregation_weight(mask, mode)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(weight, op=dist.ReduceOp.SUM)
-        return weight, dist.get_world_size()
+        return all_reduce(weight, dist.ReduceOp.SUM), dist.get_world_size()
     return weight, 1
 
 
@@ -171,27 +260,38 @@ def update_policy(
     mode, norm_len = params.loss_avg_mode, params.norm_len
     sums: dict[str, list[float]] = defaultdict(list)
     skipped = 0
+    real_tokens = computed = 0
     model.train()
     for _ in range(settings.ppo_epochs):
         for mini in batch.split(settings.samples_per_update):
             total, world = global_weight(mini.response_mask, mode)
             optimizer.zero_grad(set_to_none=True)
-            for mb in mini.split(settings.micro_batch_size):
+            for rows in settings.batching.groups(mini):
+                mb = mini.select(rows)
                 log_probs, entropy = forward_response(
-                    model, mb, settings.temperature, allowed_tokens, entropy_grad=settings.entropy_coeff != 0
+                    model,
+                    mb,
+                    settings.temperature,
+                    allowed_tokens,
+                    entropy_grad=settings.entropy_coeff != 0,
+                    padding_free=settings.padding_free,
                 )
-                mask = mb.response_mask
-                pg_loss, pg_metrics = policy_loss(mb.old_log_probs, log_probs, mb.advantages, mask, params)
+                real_tokens += int(mb.attention_mask.sum())
+                computed += computed_tokens(mb, settings.padding_free)
+                device = log_probs.device
+                mask = mb.response_mask.to(device)
+                old_log_probs, advantages = mb.old_log_probs.to(device), mb.advantages.to(device)
+                pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, advantages, mask, params)
                 loss = pg_loss
                 entropy_mean = core_algos.aggregate_loss(entropy, mask, mode, norm_len)
                 if settings.entropy_coeff != 0:
                     loss = loss - settings.entropy_coeff * entropy_mean
                 if settings.use_kl_loss:
-                    kl = core_algos.kl_penalty(log_probs, mb.ref_log_probs, settings.kl_estimator)
+                    kl = core_algos.kl_penalty(log_probs, mb.ref_log_probs.to(device), settings.kl_estimator)
                     kl_loss = core_algos.aggregate_loss(kl, mask, mode, norm_len)
                     loss = loss + settings.kl_coef * kl_loss
                     sums["actor/kl_loss"].append(kl_loss.item())
-                (loss * (world * core_algos.aggregation_weight(mask, mode) / total)).backward()
+                (loss * (world * core_algos.aggregation_weight(mask, mode) / total.to(device))).backward()
                 for key, value in pg_metrics.items():
                     sums[f"actor/{key}"].append(float(value))
                 sums["actor/entropy"].append(core_algos.masked_mean(entropy.detach(), mask).item())
@@ -200,4 +300,6 @@ def update_policy(
             sums["actor/grad_norm"].append(grad_norm)
     metrics = {key: sum(values) / len(values) for key, values in sums.items()}
     metrics["actor/skipped_steps"] = float(skipped)
+    metrics["actor/padding_share"] = 1.0 - real_tokens / computed
+    metrics["actor/micro_batches"] = float(len(sums["actor/entropy"]))
     return metrics

@@ -113,6 +113,9 @@ class FSDPWorker:
             max_response_length=config.data.max_response_length,
             allowed_tokens=self.allowed_tokens,
         )
+        self.experience_batching = actor_passes.MicroBatching(
+            actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
+        )
         self.sharding_manager = FSDPVLLMShardingManager(self.actor, self.rollout, _dtype(rollout_cfg.dtype.value))
 
     # ---------------------------------------------------------------- rollout
@@ -133,22 +136,14 @@ class FSDPWorker:
         """``(log_probs, entropy)`` of the responses under the current actor, each ``(b, R)``."""
         self.actor.eval()
         return actor_passes.compute_log_probs(
-            self.actor,
-            batch,
-            self.config.worker.actor.micro_batch_size_per_device_for_experience,
-            self.config.worker.rollout.temperature,
-            self.allowed_tokens,
+            self.actor, batch, self.experience_batching, self.config.worker.rollout.temperature, self.allowed_tokens
         )
 
     def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
         if self.ref is None:
             raise RuntimeError("reference log-probs requested but the run has no reference model (KL is off)")
         log_probs, _ = actor_passes.compute_log_probs(
-            self.ref,
-            batch,
-            self.config.worker.actor.micro_batch_size_per_device_for_experience,
-            self.config.worker.rollout.temperature,
-            self.allowed_tokens,
+            self.ref, batch, self.experience_batching, self.config.worker.rollout.temperature, self.allowed_tokens
         )
         return log_probs
 
