@@ -1006,10 +1006,6 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
             "data.mini_rollout_batch_size=8: {TODO}; unset it (null)",
         ),
         (
-            "trainer.nnodes=2",
-            "trainer.nnodes=2 (multi-node runs): {TODO}; use trainer.nnodes=1",
-        ),
-        (
             "algorithm.kl_penalty=full",
             "algorithm.kl_penalty=full: {TODO}; the actor keeps only the sampled tokens' log-probs",
         ),
@@ -1018,6 +1014,11 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
 def test_settings_vlmrl_cannot_honour_yet_fail_with_what_to_set(override, expected):
     problems = problems_of(QUICKSTART, override)
     assert any(expected.format(TODO=TODO) in p for p in problems), problems
+
+
+def test_multi_node_runs_validate():
+    config = load_config([QUICKSTART, "trainer.nnodes=2", "trainer.n_gpus_per_node=1"], CPU)
+    assert resolve(config, CPU).world_size == 2
 
 
 def test_tensor_parallel_on_gpus_is_not_supported_yet():

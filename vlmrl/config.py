@@ -1352,7 +1352,6 @@ def _not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         (rollout.limit_images > 0, f"worker.rollout.limit_images={rollout.limit_images}", "set worker.rollout.limit_images=0"),
         (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
          "set worker.reward.skip_special_tokens=true"),
-        (config.trainer.nnodes > 1, f"trainer.nnodes={config.trainer.nnodes} (multi-node runs)", "use trainer.nnodes=1"),
     ]  # fmt: skip
     models = [("worker.actor", actor, True)]
     if uses_reference(config):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from vlmrl.rng import rng_state, set_rng_state
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from vlmrl.rng import rng_state, set_rng_state
 
 
 def save_actor(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, model_only: bool) -> None:

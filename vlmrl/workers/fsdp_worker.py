@@ -8,11 +8,13 @@ this worker's shard of the batch.
 
 from __future__ import annotations
 
+import resource
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -57,11 +59,22 @@ def _adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     )
 
 
+def _peak_memory(device: str) -> dict[str, float]:
+    """This process's peak memory so far: host (resident set) always, accelerator on GPU."""
+    metrics = {"perf/cpu_memory_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB
+    if device == "cuda":
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
 class FSDPWorker:
     def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
         self.config, self.plan, self.rank = config, plan, rank
         actor_cfg, rollout_cfg = config.worker.actor, config.worker.rollout
         device = plan.device
+        if device == "cuda":
+            # Ray gives each worker one GPU and makes it the only visible one.
+            torch.cuda.set_device(0)
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo",
             init_method=init_method,
@@ -150,7 +163,12 @@ class FSDPWorker:
     # ---------------------------------------------------------------- update
 
     def update_actor(self, batch: Batch, settings: actor_passes.UpdateSettings) -> dict[str, float]:
-        return actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens)
+        metrics = actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens)
+        return {**metrics, **_peak_memory(self.plan.device)}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the actor's full state dict (HF names) on CPU, on rank 0 (the others get an empty dict)."""
+        return get_model_state_dict(self.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # ---------------------------------------------------------------- critic
 
