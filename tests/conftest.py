@@ -14,7 +14,7 @@ from helpers.runs import (
     tail,
 )
 
-from vlmrl.testing.assets import TinyAssets, ensure_tiny_assets
+from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +23,16 @@ def tiny_assets() -> TinyAssets:
     return ensure_tiny_assets()
 
 
+@pytest.fixture(scope="session")
+def quickstart_assets() -> QuickstartAssets:
+    """The quickstart's format-tuned tiny model and its data (built once, cached on disk)."""
+    return ensure_quickstart_assets()
+
+
 @dataclass(frozen=True)
 class E2ERun:
-    assets: TinyAssets
+    assets: QuickstartAssets
+    """What examples/quickstart.yaml trains on: the run's initial weights and its data."""
     output_dir: Path
     dir: Path
     args: list[str]
@@ -34,7 +41,7 @@ class E2ERun:
 
 
 @pytest.fixture(scope="session")
-def e2e_run(tiny_assets, tmp_path_factory) -> E2ERun:
+def e2e_run(quickstart_assets, tmp_path_factory) -> E2ERun:
     """One real run of ``python -m vlmrl.main`` that many tests inspect, so CI pays for it once.
 
     The tiny quickstart for 4 steps of 4 prompts x 4 samples, validating before
@@ -56,7 +63,7 @@ def e2e_run(tiny_assets, tmp_path_factory) -> E2ERun:
     assert proc.returncode == 0, f"vlmrl.main failed:\n{tail(proc)}"
     args = main_command(output_dir, *overrides, experiment="e2e")[3:]  # from config=... on
     return E2ERun(
-        tiny_assets, output_dir, experiment_dir(output_dir, "e2e"), args, proc.stdout + proc.stderr,
+        quickstart_assets, output_dir, experiment_dir(output_dir, "e2e"), args, proc.stdout + proc.stderr,
         tmp / "reward_calls.jsonl",
     )  # fmt: skip
 

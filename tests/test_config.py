@@ -69,11 +69,11 @@ def assert_one_problem_each(problems: list[str], expected: list[str]) -> None:
 # --------------------------------------------------------------------------- loading and layering
 
 
-def test_quickstart_loads_with_its_values_and_tiny_assets(tiny_assets):
+def test_quickstart_loads_with_its_values_and_tiny_assets(quickstart_assets):
     config = load_config([QUICKSTART])
-    assert config.data.train_files == str(tiny_assets.quickstart_train_file)
-    assert config.data.val_files == str(tiny_assets.quickstart_val_file)
-    assert config.worker.actor.model.model_path == str(tiny_assets.quickstart_model_dir)
+    assert config.data.train_files == str(quickstart_assets.train_file)
+    assert config.data.val_files == str(quickstart_assets.val_file)
+    assert config.worker.actor.model.model_path == str(quickstart_assets.model_dir)
     assert config.worker.rollout.n == 8
     assert config.algorithm.kl_coef == pytest.approx(1e-3)
     assert config.worker.reward.reward_function_kwargs == {"format_weight": 0.0}
@@ -101,7 +101,7 @@ def test_cli_override_wins_even_when_written_before_config():
 def test_cli_merges_into_a_yaml_mapping_instead_of_replacing_it():
     config = load_config([QUICKSTART, "worker.reward.reward_function_kwargs.extra=2"])
     assert config.worker.reward.reward_function_kwargs == {
-        "format_weight": 0.1,
+        "format_weight": 0.0,
         "extra": 2,
     }
 
@@ -571,8 +571,8 @@ def test_resolve_derives_the_step_numbers(tmp_path):
         "micro_batches_per_update": 4,  # 16 per worker / micro 4
         "prompts_per_generation": 32,  # no mini_rollout_batch_size: the whole step at once
         "rollout_prompt_length": 128,  # data.max_prompt_length
-        "rollout_response_length": 16,  # data.max_response_length
-        "rollout_max_model_len": 144,  # their sum, with worker.rollout.max_model_len unset
+        "rollout_response_length": 8,  # data.max_response_length
+        "rollout_max_model_len": 136,  # their sum, with worker.rollout.max_model_len unset
         "actor_dtype": "float32",  # the quickstart's fsdp.torch_dtype
         "ref_dtype": "float32",  # unset: the actor's
         "use_reference": True,  # the quickstart's KL loss needs the reference model
@@ -684,7 +684,7 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
             ["worker.rollout.max_model_len=100"],
             CPU,
             [
-                "worker.rollout.max_model_len=100 is shorter than data.max_prompt_length + data.max_response_length = 144"
+                "worker.rollout.max_model_len=100 is shorter than data.max_prompt_length + data.max_response_length = 136"
             ],
         ),
         (["data.video_fps=0"], CPU, ["data.video_fps=0.0: must be positive"]),

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pyarrow.parquet as pq
 import torch
 from helpers.runs import E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, REPO, read_metrics
 from safetensors.torch import load_file
@@ -34,7 +35,8 @@ def run(e2e_run):
 
 def test_reward_function_from_file_gets_decoded_responses_and_ground_truths(run):
     calls = [json.loads(line) for line in run["reward_log"].read_text().splitlines()]
-    val_rows = 64  # the synthetic validation split, scored before training and at the last step
+    # The quickstart's validation split, scored before training and at the last step.
+    val_rows = pq.read_metadata(run["assets"].val_file).num_rows
     assert len(calls) == STEPS * E2E_PROMPTS * E2E_N + 2 * val_rows
     answers = {"red", "green", "blue", "yellow"}
     assert {c["ground_truth"] for c in calls} <= answers
@@ -45,7 +47,7 @@ def test_reward_function_from_file_gets_decoded_responses_and_ground_truths(run)
 
 
 def test_actor_parameters_changed(run):
-    initial = load_file(run["assets"].quickstart_model_dir / "model.safetensors")
+    initial = load_file(run["assets"].model_dir / "model.safetensors")
     final = load_file(run["final_weights"] / "model.safetensors")
     assert initial.keys() == final.keys()
     changed = [name for name in initial if not torch.equal(initial[name], final[name])]
@@ -72,12 +74,12 @@ def test_resynced_vllm_matches_a_fresh_engine_on_the_actor_weights(run):
     """The in-loop engine, after the last resync, scores exactly like one loaded from the saved actor."""
     generations = run["generations"]
     assert len(generations) == E2E_SAMPLES_LOGGED
-    fresh = _fresh_vllm_greedy(run["final_weights"], run["assets"].quickstart_val_file, generations)
+    fresh = _fresh_vllm_greedy(run["final_weights"], run["assets"].val_file, generations)
     for g, f in zip(generations, fresh):
         assert f["ids"] == g["response_ids"]
         torch.testing.assert_close(torch.tensor(f["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5, rtol=0)
     # Control: the untrained weights give other log-probs, so the comparison above can fail.
-    untrained = _fresh_vllm_greedy(run["assets"].quickstart_model_dir, run["assets"].quickstart_val_file, generations)
+    untrained = _fresh_vllm_greedy(run["assets"].model_dir, run["assets"].val_file, generations)
     assert any(
         u["ids"] != g["response_ids"] or not torch.allclose(torch.tensor(u["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5)
         for u, g in zip(untrained, generations)

@@ -23,15 +23,15 @@ N_PROMPTS = 24
 
 
 @pytest.fixture(scope="module")
-def first_tokens(tiny_assets):
+def first_tokens(quickstart_assets):
     """(P(each colour word), P(end of turn after the greedy word), ground truth) per validation prompt."""
     data = load_config(["config=examples/quickstart.yaml"]).data
-    model_dir = tiny_assets.quickstart_model_dir
+    model_dir = quickstart_assets.model_dir
     processor = AutoProcessor.from_pretrained(model_dir)
     tokenizer = processor.tokenizer
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     dataset = RLHFDataset(
-        str(tiny_assets.quickstart_val_file), processor, prompt_key=data.prompt_key, answer_key=data.answer_key,
+        str(quickstart_assets.val_file), processor, prompt_key=data.prompt_key, answer_key=data.answer_key,
         image_key=data.image_key, image_dir=None, max_prompt_length=data.max_prompt_length,
         min_pixels=data.min_pixels, max_pixels=data.max_pixels, format_prompt=data.format_prompt,
     )  # fmt: skip

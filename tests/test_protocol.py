@@ -40,6 +40,10 @@ def make_batch(b: int) -> Batch:
         token_level_scores=rows[:, None].float() * torch.arange(R),
         reward_metrics={"overall": [float(i) for i in range(b)], "accuracy": [i / 10 for i in range(b)]},
         advantages=rows[:, None].float() + torch.arange(R) / 7,
+        reward_baselines=rows.float() / 3,
+        values=rows[:, None].float() / 5 + torch.arange(R),
+        token_level_rewards=rows[:, None].float() * torch.arange(R) / 2,
+        returns=rows[:, None].float() / 9 + torch.arange(R),
     )
 
 

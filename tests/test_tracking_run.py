@@ -64,8 +64,8 @@ def test_the_mlflow_run_holds_every_metric_of_every_step(run):
     for key in per_step:
         assert sorted(metrics.get(key, {})) == list(range(1, STEPS + 1)), key
     # Validation, overall and per data source and sub-score, before training and at the end.
-    for key in ["val/reward/overall", "val/reward/overlap", "val/synthetic_colour/overall",
-                "val/synthetic_colour/overlap"]:  # fmt: skip
+    for key in ["val/reward/overall", "val/reward/overlap", "val/shape_colour/overall",
+                "val/shape_colour/overlap"]:  # fmt: skip
         assert sorted(metrics[key]) == VALIDATED_AT, key
     assert sorted(metrics["timing_s/testing"]) == [STEPS]
     for step in (1, 2):

@@ -597,22 +597,22 @@ RENAMED_KEYS: dict[str, str] = {
 
 
 def _tiny_asset(name: str) -> str:
-    """``${tiny:model_dir}`` / ``${tiny:train_file}`` / ``${tiny:val_file}`` in a YAML.
+    """``${tiny:model_dir}``, ``${tiny:quickstart_model_dir}`` and the data files, in a YAML.
 
-    Builds the tiny random Qwen2.5-VL and its synthetic data on first use (into
-    $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl), so the CPU quickstart runs on a
+    Builds the tiny random Qwen2.5-VL and its synthetic data (or the
+    quickstart's format-tuned model and data) on first use, into
+    $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl, so the CPU quickstart runs on a
     machine with no model hub.
     """
-    from vlmrl.testing.assets import TinyAssets, ensure_tiny_assets
+    from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
 
-    fields = [f.name for f in dataclasses.fields(TinyAssets)]
-    if name not in fields:
-        raise ConfigError(
-            [
-                f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(fields)}"
-            ]
-        )
-    return str(getattr(ensure_tiny_assets(), name))
+    tiny = [f.name for f in dataclasses.fields(TinyAssets)]
+    quickstart = [f"quickstart_{f.name}" for f in dataclasses.fields(QuickstartAssets)]
+    if name in tiny:
+        return str(getattr(ensure_tiny_assets(), name))
+    if name in quickstart:
+        return str(getattr(ensure_quickstart_assets(), name.removeprefix("quickstart_")))
+    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart)}"])
 
 
 OmegaConf.register_resolver("tiny", _tiny_asset, replace=True)

@@ -1,6 +1,8 @@
 """The shared tiny model + synthetic data used by tests, demos and the quickstart.
 
-``ensure_tiny_assets()`` builds them once into a cache directory and reuses
+``ensure_tiny_assets()`` (the random model and the test data) and
+``ensure_quickstart_assets()`` (the quickstart's format-tuned model and data)
+build them once into a cache directory and reuses
 them afterwards, also across processes: concurrent callers (pytest-xdist
 workers, Ray actors, a CI job next to a developer's shell) serialise on an
 ``fcntl.flock``, the build goes to a temporary directory that is renamed into
@@ -8,7 +10,7 @@ place, and a marker file inside it says the build finished. The directory name
 carries a hash of the builder sources and the transformers version, so a
 change to either builds a fresh copy instead of reusing a stale one.
 
-CLI: ``python -m vlmrl.testing.assets [--cache-dir D]`` prints the paths.
+CLI: ``python -m vlmrl.testing.assets [--cache-dir D] [--quickstart]`` prints the paths.
 """
 
 from __future__ import annotations
@@ -38,18 +40,24 @@ _MARKER = "COMPLETE"
 
 @dataclass(frozen=True)
 class TinyAssets:
+    """The random-init tiny Qwen2.5-VL and the synthetic colour task (varied canvases), for tests."""
+
     model_dir: Path
-    """The random-init tiny Qwen2.5-VL."""
     train_file: Path
     val_file: Path
-    """The synthetic colour task (varied canvases), for tests."""
-    quickstart_model_dir: Path
-    """``model_dir`` format-tuned (``vlmrl.testing.format_tune``): answers with a random colour word."""
-    quickstart_train_file: Path
-    quickstart_val_file: Path
+
+
+@dataclass(frozen=True)
+class QuickstartAssets:
+    """What examples/quickstart.yaml trains on, built from ``TinyAssets.model_dir`` on first use."""
+
+    model_dir: Path
+    """The tiny model format-tuned to answer with a random colour word (``vlmrl.testing.format_tune``)."""
+    train_file: Path
+    val_file: Path
     """The quickstart's task: one large shape on a white canvas."""
-    quickstart_blank_train_file: Path
-    quickstart_blank_val_file: Path
+    blank_train_file: Path
+    blank_val_file: Path
     """The same rows with the shapes removed: the baseline of a policy that cannot see."""
 
 
@@ -59,14 +67,24 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".cache" / "vlmrl"
 
 
-def assets_version() -> str:
-    """Hash of everything that decides the bytes of the built assets."""
+def _version(modules: tuple, settings: str) -> str:
     digest = hashlib.sha256()
-    for module in (tiny_vlm, synthetic, format_tune):
+    for module in modules:
         digest.update(Path(module.__file__).read_bytes())
-    digest.update(f"{FAMILY}:{SEED}:{N_TRAIN}:{N_VAL}:{QUICKSTART_N_TRAIN}:{QUICKSTART_N_VAL}".encode())
+    digest.update(settings.encode())
     digest.update(importlib.metadata.version("transformers").encode())
     return digest.hexdigest()[:12]
+
+
+def assets_version() -> str:
+    """Hash of everything that decides the bytes of the built tiny assets."""
+    return _version((tiny_vlm, synthetic), f"{FAMILY}:{SEED}:{N_TRAIN}:{N_VAL}")
+
+
+def quickstart_version() -> str:
+    """Hash of everything that decides the bytes of the quickstart assets (the tiny model's included)."""
+    settings = f"{assets_version()}:{QUICKSTART_TASK}:{QUICKSTART_N_TRAIN}:{QUICKSTART_N_VAL}"
+    return _version((synthetic, format_tune), settings)
 
 
 def _layout(root: Path) -> TinyAssets:
@@ -74,11 +92,16 @@ def _layout(root: Path) -> TinyAssets:
         model_dir=root / f"tiny-{FAMILY}",
         train_file=root / "data" / "train.parquet",
         val_file=root / "data" / "val.parquet",
-        quickstart_model_dir=root / f"tiny-{FAMILY}-format-tuned",
-        quickstart_train_file=root / "quickstart" / "train.parquet",
-        quickstart_val_file=root / "quickstart" / "val.parquet",
-        quickstart_blank_train_file=root / "quickstart-blank" / "train.parquet",
-        quickstart_blank_val_file=root / "quickstart-blank" / "val.parquet",
+    )
+
+
+def _quickstart_layout(root: Path) -> QuickstartAssets:
+    return QuickstartAssets(
+        model_dir=root / f"tiny-{FAMILY}-format-tuned",
+        train_file=root / "data" / "train.parquet",
+        val_file=root / "data" / "val.parquet",
+        blank_train_file=root / "blank" / "train.parquet",
+        blank_val_file=root / "blank" / "val.parquet",
     )
 
 
@@ -86,46 +109,69 @@ def _build(root: Path) -> None:
     assets = _layout(root)
     tiny_vlm.build_tiny_vlm(assets.model_dir, family=FAMILY, seed=SEED)
     synthetic.write_synthetic_dataset(assets.train_file.parent, n_train=N_TRAIN, n_val=N_VAL, seed=SEED)
-    for blank, train_file in ((False, assets.quickstart_train_file), (True, assets.quickstart_blank_train_file)):
+
+
+def _build_quickstart(root: Path, base: TinyAssets) -> None:
+    assets = _quickstart_layout(root)
+    for blank, train_file in ((False, assets.train_file), (True, assets.blank_train_file)):
         synthetic.write_synthetic_dataset(
             train_file.parent, QUICKSTART_N_TRAIN, QUICKSTART_N_VAL, SEED, task=QUICKSTART_TASK, blank_images=blank
         )
-    format_tune.format_tune(assets.model_dir, assets.quickstart_model_dir, task=QUICKSTART_TASK, seed=SEED)
-    # Written last: its presence means every file above is complete.
-    (root / _MARKER).write_text(assets_version() + "\n")
+    format_tune.format_tune(base.model_dir, assets.model_dir, task=QUICKSTART_TASK, seed=SEED)
+
+
+def _ensure(cache_dir: Path, final: Path, version: str, build) -> None:
+    """Build into ``final`` once (``build(tmp_dir)``), safely across processes."""
+    if (final / _MARKER).is_file():
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (final / _MARKER).is_file():  # another process built it meanwhile
+            return
+        # A directory without the marker is debris from an interrupted manual copy.
+        shutil.rmtree(final, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
+        try:
+            build(tmp)
+            # Written last: its presence means every file is complete.
+            (tmp / _MARKER).write_text(version + "\n")
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def ensure_tiny_assets(cache_dir: Path | None = None) -> TinyAssets:
     """Return the tiny model and synthetic data, building them on first use."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / f"tiny-assets-{assets_version()}"
-    if (final / _MARKER).is_file():
-        return _layout(final)
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f"{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (final / _MARKER).is_file():  # another process may have built it meanwhile
-            # A directory without the marker is debris from an interrupted manual copy.
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
-            try:
-                _build(tmp)
-                tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-                os.rename(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+    version = assets_version()
+    final = cache_dir / f"tiny-assets-{version}"
+    _ensure(cache_dir, final, version, _build)
     return _layout(final)
+
+
+def ensure_quickstart_assets(cache_dir: Path | None = None) -> QuickstartAssets:
+    """Return the quickstart's format-tuned model and data, building them (and the tiny assets) on first use."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    base = ensure_tiny_assets(cache_dir)
+    version = quickstart_version()
+    final = cache_dir / f"quickstart-assets-{version}"
+    _ensure(cache_dir, final, version, lambda tmp: _build_quickstart(tmp, base))
+    return _quickstart_layout(final)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (once) and print the tiny VLM and synthetic data paths.")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl")
+    parser.add_argument("--quickstart", action="store_true", help="also the quickstart's format-tuned model and data")
     args = parser.parse_args(argv)
-    assets = ensure_tiny_assets(args.cache_dir)
-    for name, path in vars(assets).items():
+    for name, path in vars(ensure_tiny_assets(args.cache_dir)).items():
         print(f"{name}={path}")
+    if args.quickstart:
+        for name, path in vars(ensure_quickstart_assets(args.cache_dir)).items():
+            print(f"quickstart_{name}={path}")
 
 
 if __name__ == "__main__":
