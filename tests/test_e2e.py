@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import pyarrow.parquet as pq
+import pytest
 import torch
 from helpers.runs import E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, REPO, read_metrics
 from safetensors.torch import load_file
@@ -77,11 +77,14 @@ def test_resynced_vllm_matches_a_fresh_engine_on_the_actor_weights(run):
     fresh = _fresh_vllm_greedy(run["final_weights"], run["assets"].val_file, generations)
     for g, f in zip(generations, fresh):
         assert f["ids"] == g["response_ids"]
-        torch.testing.assert_close(torch.tensor(f["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(f["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5, rtol=0
+        )
     # Control: the untrained weights give other log-probs, so the comparison above can fail.
     untrained = _fresh_vllm_greedy(run["assets"].model_dir, run["assets"].val_file, generations)
     assert any(
-        u["ids"] != g["response_ids"] or not torch.allclose(torch.tensor(u["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5)
+        u["ids"] != g["response_ids"]
+        or not torch.allclose(torch.tensor(u["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5)
         for u, g in zip(untrained, generations)
     )
 

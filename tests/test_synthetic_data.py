@@ -94,7 +94,9 @@ def test_quickstart_task_is_one_large_shape_on_a_white_84px_canvas(tmp_path):
 
 def test_blank_images_keep_the_rows_and_remove_the_shapes(tmp_path):
     shapes = write_synthetic_dataset(tmp_path / "shapes", n_train=16, n_val=8, seed=0, task="shape_colour")
-    blank = write_synthetic_dataset(tmp_path / "blank", n_train=16, n_val=8, seed=0, task="shape_colour", blank_images=True)
+    blank = write_synthetic_dataset(
+        tmp_path / "blank", n_train=16, n_val=8, seed=0, task="shape_colour", blank_images=True
+    )
     for with_shape, without in zip(shapes, blank):
         a, b = _rows(with_shape), _rows(without)
         assert [(r["problem"], r["answer"]) for r in a] == [(r["problem"], r["answer"]) for r in b]

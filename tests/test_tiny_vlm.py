@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, GenerationConfig
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, GenerationConfig
 
 from vlmrl.testing.tiny_vlm import QWEN_SPECIAL_TOKENS, build_tiny_vlm
 

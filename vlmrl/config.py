@@ -413,7 +413,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes of the critic over each step's samples."""
     padding_free: bool = False
-    """Pack sequences without padding; vlmrl pads, with the same result."""
+    """Pack sequences without padding; the critic pads, with the same result."""
     dynamic_batching: bool = False
     """Form micro-batches by token count; vlmrl uses fixed micro-batches."""
     ulysses_size: int = 1
