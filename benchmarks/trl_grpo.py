@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     need = args.prompts * (args.warmup + args.steps)
     records = []
     for i in range(need):
-        row = rows[i % len(rows)]
+        row = rows.table[i % len(rows)]
         image = row["images"][0]
         if isinstance(image, dict):
             import io
@@ -118,7 +118,12 @@ def main(argv=None) -> None:
             stamps.append(time.perf_counter())
 
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=config, train_dataset=train, processing_class=processor, callbacks=[Clock()]
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=train,
+        processing_class=processor,
+        callbacks=[Clock()],
     )
     trainer.train()
     durations = [b - a for a, b in itertools.pairwise(stamps)]

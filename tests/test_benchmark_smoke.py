@@ -29,6 +29,7 @@ FIELDS = (
     "vlmrl_gen_tokens_per_s",
     "rollout_efficiency",
     "resync_share",
+    "raw_gen_seeded_s",
 )
 
 
@@ -51,4 +52,8 @@ def test_step_benchmark_smoke(tmp_path):
         assert math.isfinite(phase["vlmrl"]) and math.isfinite(phase["raw"])
     assert report["peak_rss_mib"] and all(v > 0 for v in report["peak_rss_mib"].values())
     assert 0.0 <= report["padding_share"] < 1.0
+    # The in-loop rollout's pieces, from the worker's and the driver's profile lines.
+    profile = report["vlmrl_gen_profile_s"]
+    for name in ("requests", "engine", "outputs", "build_batch", "pickle", "driver_call"):
+        assert math.isfinite(profile[name]) and profile[name] >= 0, name
     assert (tmp_path / "step_smoke.md").read_text().startswith("Shape:")

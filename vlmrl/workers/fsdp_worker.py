@@ -8,7 +8,11 @@ this worker's shard of the batch.
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import resource
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -135,13 +139,21 @@ class FSDPWorker:
 
     def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
         generations = self.rollout.generate(prompts, group_ids, sampling)
-        return build_batch(
+        t0 = time.perf_counter()
+        batch = build_batch(
             generations,
             max_prompt_length=self.config.data.max_prompt_length,
             max_response_length=self.config.data.max_response_length,
             pad_token_id=self.tokenizer.pad_token_id,
             model=self.actor,
         )
+        if os.environ.get("VLMRL_PROFILE_ROLLOUT"):
+            # The pieces of this call, and what pickling the batch back to the driver costs.
+            built = time.perf_counter()
+            size = len(pickle.dumps(batch, protocol=5))
+            timings = {**self.rollout.last_timings, "build_batch": built - t0, "pickle": time.perf_counter() - built}
+            print(f"VLMRL_PROFILE_ROLLOUT {json.dumps({**timings, 'pickle_mib': size / 2**20})}", flush=True)
+        return batch
 
     # ------------------------------------------------------------- log-probs
 

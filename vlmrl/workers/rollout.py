@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +125,13 @@ class VLLMRollout:
         self.max_response_length = max_response_length
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
 
-    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> list[Generation]:
+    def generate(
+        self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides
+    ) -> list[Generation]:
         """n responses per prompt, in prompt order, each tagged with its prompt's group id."""
         from vllm import SamplingParams
 
+        t0 = time.perf_counter()
         base = SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
@@ -152,7 +156,9 @@ class VLLMRollout:
             else {"prompt_token_ids": p.raw_prompt_ids}
             for p in prompts
         ]
+        t1 = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        t2 = time.perf_counter()
         generations = []
         for prompt, group_id, output in zip(prompts, group_ids, outputs):
             for completion in output.outputs:
@@ -161,6 +167,8 @@ class VLLMRollout:
                 if sampling.want_log_probs:
                     log_probs = [step[t].logprob for step, t in zip(completion.logprobs, token_ids)]
                 generations.append(Generation(prompt, group_id, token_ids, completion.text, log_probs))
+        # Seconds of the last call's pieces, for profiling (benchmarks/step.py logs them).
+        self.last_timings = {"requests": t1 - t0, "engine": t2 - t1, "outputs": time.perf_counter() - t2}
         return generations
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -15,9 +15,11 @@ are put back in the batch's order.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -170,8 +172,15 @@ class WorkerGroup:
 
     def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
         prompt_parts, id_parts = _chunks(prompts, self.world_size), _chunks(group_ids, self.world_size)
+        t0 = time.perf_counter()
         refs = [w.generate.remote(p, g, sampling) for w, p, g in zip(self.workers, prompt_parts, id_parts)]
-        return Batch.concat(ray.get(refs))
+        parts = ray.get(refs)
+        t1 = time.perf_counter()
+        batch = Batch.concat(parts)
+        if os.environ.get("VLMRL_PROFILE_ROLLOUT"):
+            timings = {"driver_call": t1 - t0, "driver_concat": time.perf_counter() - t1}
+            print(f"VLMRL_PROFILE_DRIVER {json.dumps(timings)}", flush=True)
+        return batch
 
     def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         shards, parts = self._scatter_parts(batch)
