@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.configs import CPU, GPUS, QUICKSTART, problems_of
 
 from vlmrl.config import (
     ActorConfig,
@@ -30,27 +31,18 @@ from vlmrl.config import (
     validate,
 )
 from vlmrl.main import main
-from vlmrl.plan import Cluster, resolve, world_size
+from vlmrl.plan import resolve, world_size
 from vlmrl.trainer.core_algos import AdvantageEstimator
 from vlmrl.trainer.tracking import logger_problems
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = "config=examples/quickstart.yaml"
-CPU = Cluster(gpus=0, cpus=2)
-GPUS = Cluster(gpus=8, cpus=64)
 
 
 @pytest.fixture(autouse=True)
-def _in_repo(monkeypatch, tiny_assets):
+def _in_repo(monkeypatch, quickstart_assets):
     # The quickstart names the format prompt and reward function relative to the repo root,
-    # and resolves ${tiny:...} to the shared tiny assets.
+    # and resolves ${tiny:quickstart_...} to the built quickstart assets.
     monkeypatch.chdir(REPO)
-
-
-def problems_of(*args: str, cluster: Cluster = CPU) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(list(args), cluster)
-    return info.value.problems
 
 
 def get(config, dotted: str):

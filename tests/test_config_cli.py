@@ -10,38 +10,31 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.configs import CPU, GPUS, QUICKSTART, problems_of
 
 from vlmrl.config import (
     DERIVED_KEYS,
     RENAMED_KEYS,
     Config,
-    ConfigError,
     DType,
     help_text,
     iter_options,
     load_config,
     parse_config,
 )
-from vlmrl.plan import Cluster, resolve
+from vlmrl.plan import resolve
 from vlmrl.trainer.core_algos import LossAvgMode
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
 EASYR1 = "config=tests/fixtures/easyr1_config.yaml"
-QUICKSTART = "config=examples/quickstart.yaml"
-CPU = Cluster(gpus=0, cpus=2)
-GPUS = Cluster(gpus=8, cpus=64)
 
 
 @pytest.fixture(autouse=True)
-def _in_repo(monkeypatch, tiny_assets):
+def _in_repo(monkeypatch, quickstart_assets):
+    # The quickstart names the format prompt and reward function relative to the repo root,
+    # and resolves ${tiny:quickstart_...} to the built quickstart assets.
     monkeypatch.chdir(REPO)
-
-
-def problems_of(*args: str, cluster: Cluster = CPU) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(list(args), cluster)
-    return info.value.problems
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

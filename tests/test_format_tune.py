@@ -37,33 +37,29 @@ def first_tokens(quickstart_assets):
     )  # fmt: skip
     colour_ids = {c: tokenizer.encode(c) for c in sorted(COLOURS)}
     assert all(len(ids) == 1 for ids in colour_ids.values()), colour_ids  # one token each in the tiny BPE
-    results = []
-    for row in range(N_PROMPTS):
-        sample = dataset.sample(row)
+    def next_token_probs(sample, response_ids: list[int]) -> torch.Tensor:
+        """(len(response_ids), V): the model's next-token distribution before each response token."""
         batch = build_batch(
-            [Generation(sample, 0, [tokenizer.eos_token_id], "", None)],
-            max_prompt_length=data.max_prompt_length, max_response_length=1,
+            [Generation(sample, 0, response_ids, "", None)],
+            max_prompt_length=data.max_prompt_length, max_response_length=len(response_ids),
             pad_token_id=tokenizer.pad_token_id, model=model,
         )  # fmt: skip
         with torch.no_grad():
             logits = model(
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids.transpose(0, 1), logits_to_keep=2, **merged_mm_inputs(batch),
-            ).logits[0, 0]  # fmt: skip
-        probs = logits.softmax(-1)
-        colour_probs = {c: probs[ids[0]].item() for c, ids in colour_ids.items()}
+                position_ids=batch.position_ids.transpose(0, 1), logits_to_keep=len(response_ids) + 1,
+                **merged_mm_inputs(batch),
+            ).logits[0, :-1]  # fmt: skip
+        return logits.softmax(-1)
+
+    results = []
+    for row in range(N_PROMPTS):
+        sample = dataset.sample(row)
+        first = next_token_probs(sample, [tokenizer.eos_token_id])[0]  # the response does not change it
+        colour_probs = {c: first[ids[0]].item() for c, ids in colour_ids.items()}
         # The token after the most likely word, teacher-forced.
         word = max(colour_probs, key=colour_probs.get)
-        batch2 = build_batch(
-            [Generation(sample, 0, [colour_ids[word][0], tokenizer.eos_token_id], "", None)],
-            max_prompt_length=data.max_prompt_length, max_response_length=2,
-            pad_token_id=tokenizer.pad_token_id, model=model,
-        )  # fmt: skip
-        with torch.no_grad():
-            after = model(
-                input_ids=batch2.input_ids, attention_mask=batch2.attention_mask,
-                position_ids=batch2.position_ids.transpose(0, 1), logits_to_keep=2, **merged_mm_inputs(batch2),
-            ).logits[0, 0].softmax(-1)  # fmt: skip
+        after = next_token_probs(sample, [colour_ids[word][0], tokenizer.eos_token_id])[1]
         results.append((colour_probs, after[tokenizer.eos_token_id].item(), sample.ground_truth))
     return results
 
