@@ -3,7 +3,9 @@
 The sharded (DCP) weights are read in one process, without a process group,
 into a model built from the config saved next to them, and written with
 ``save_pretrained`` together with the generation config and the processor, so
-that transformers and vLLM load the result.
+that transformers and vLLM load the result. A LoRA actor's checkpoint (with
+``lora.json``) is written with its adapters merged into the base weights, under
+the plain HF names, so the directory needs no peft.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+
+from vlmrl.config import LoraConfig
+from vlmrl.workers.checkpoint import load_lora_config
+from vlmrl.workers.lora import merged_weights, scaling
 
 
 class ExportError(RuntimeError):
@@ -32,9 +39,14 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     model = model.to_empty(device="cpu")
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    lora = load_lora_config(actor_dir)
+    if lora is None:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+        weights = state["model"]
+    else:
+        weights = _merged_lora_weights(actor_dir, lora)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ExportError(f"{actor_dir}: weights do not fit the saved config (missing {missing}, unexpected {unexpected})")
     if getattr(model.config, "tie_word_embeddings", False):
@@ -45,6 +57,19 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
         GenerationConfig.from_pretrained(hf_dir).save_pretrained(output)
     AutoProcessor.from_pretrained(hf_dir).save_pretrained(output)
     return output
+
+
+def _merged_lora_weights(actor_dir: Path, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's model tensors (base weights and adapters, as saved), merged under the HF names."""
+    metadata = dcp.FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata
+    saved = {
+        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    state = {"model": saved}
+    dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+    return dict(merged_weights(state["model"].items(), scaling(lora)))
 
 
 def main(argv: list[str] | None = None) -> int:

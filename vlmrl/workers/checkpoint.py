@@ -5,10 +5,15 @@ Layout under ``<checkpoint>/actor/``: the DCP files (``.metadata``,
 ``*.distcp``), ``rng_rank<r>.pt``, and ``huggingface/`` with the model's
 config, generation config and processor (weights only when HF weights are
 asked for), which is what ``vlmrl.export`` needs to rebuild a HF directory.
+A LoRA actor's DCP files hold its base weights and adapters under the
+injected names (``<m>.base_layer.weight``, ``<m>.lora_A.default.weight``), and
+``lora.json`` holds the LoRA settings that merging them needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -21,7 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from vlmrl.config import LoraConfig
 from vlmrl.rng import rng_state, set_rng_state
+
+LORA_FILE = "lora.json"
 
 
 def save_actor(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, model_only: bool) -> None:
@@ -60,3 +68,32 @@ def load_actor(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_lora_config(path: Path, lora: LoraConfig) -> None:
+    (path / LORA_FILE).write_text(json.dumps(dataclasses.asdict(lora), indent=2) + "\n")
+
+
+def load_lora_config(path: Path) -> LoraConfig | None:
+    """The LoRA settings a checkpoint's actor was trained with; None for a full-model checkpoint."""
+    file = path / LORA_FILE
+    return LoraConfig(**json.loads(file.read_text())) if file.is_file() else None
+
+
+def _describe_lora(lora: LoraConfig | None) -> str:
+    if lora is None:
+        return "no LoRA"
+    return (
+        f"LoRA rank={lora.rank} alpha={lora.alpha} target_modules={lora.target_modules!r} "
+        f"exclude_modules={lora.exclude_modules!r}"
+    )
+
+
+def check_lora_matches(path: Path, lora: LoraConfig | None) -> None:
+    """A checkpoint's adapters load only into a model with the same adapters; say which settings differ."""
+    saved = load_lora_config(path)
+    if saved != lora:
+        raise ValueError(
+            f"{path}: the checkpoint's actor has {_describe_lora(saved)} but worker.actor.model.lora has "
+            f"{_describe_lora(lora)}; resume with the checkpoint's LoRA settings"
+        )

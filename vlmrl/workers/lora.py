@@ -144,8 +144,8 @@ def merged_weights(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> I
         if len(have) == 3:
             del pending[module]
             w = have["W"]
-            delta = have["B"].to(device=w.device, dtype=torch.float32) @ have["A"].to(device=w.device, dtype=torch.float32)
-            yield hf_name(module) + ".weight", (w.to(torch.float32) + scale * delta).to(w.dtype)
+            a, b = (have[k].to(device=w.device, dtype=torch.float32) for k in "AB")
+            yield hf_name(module) + ".weight", (w.to(torch.float32) + scale * (b @ a)).to(w.dtype)
     if pending:
         missing = {m: sorted(set("WAB") - set(have)) for m, have in pending.items()}
         raise ValueError(f"LoRA merge: modules without their base weight (W) or adapters (A, B): {missing}")
