@@ -71,7 +71,9 @@ def peak_flops(device_name: str) -> float | None:
     return PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
-def measure_cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5) -> float:
+def measure_cpu_peak_flops(
+    threads: int, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5
+) -> float:
     """FLOP/s of the fastest of repeated ``size`` x ``size`` matmuls on ``threads`` threads.
 
     The best repetition, not the mean: the peak is what the cores can do, and
@@ -164,7 +166,9 @@ class PerfMeter:
             peak = measure_cpu_peak_flops(threads, dtype)
             device, source = f"cpu ({threads} threads)", f"measured, {dtype}"
         shown = f"{peak / 1e9:.1f} GFLOP/s" if peak else "unknown"
-        params = f"{num_params / 1e6:.2f}M parameters" if num_params else "parameters unknown (no safetensors), so no MFU"
+        params = (
+            f"{num_params / 1e6:.2f}M parameters" if num_params else "parameters unknown (no safetensors), so no MFU"
+        )
         print(f"perf: device {device}, peak {shown} ({source}); model {params}", flush=True)
         return cls(plan.world_size, peak, flops)
 
@@ -174,7 +178,9 @@ class PerfMeter:
         metrics = {
             "perf/total_num_tokens": float(tokens),
             "perf/time_per_step": seconds,
+            # EasyR1's name and a plain one for the same number: the step's tokens per second per worker device.
             "perf/throughput": tokens / (seconds * self.world_size),
+            "perf/tokens_per_second_per_device": tokens / (seconds * self.world_size),
         }
         if self.flops is not None and self.peak:
             capacity = self.world_size * self.peak

@@ -158,7 +158,7 @@ class RayPPOTrainer:
                 with timer("adv", timings):
                     kl_metrics = self.advantages(batch)
                 # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
-                critic_metrics, actor_metrics = {}, {}
+                critic_metrics, actor_metrics, resync_metrics = {}, {}, {}
                 if self.plan.use_critic:
                     with timer("update_critic", timings):
                         critic_metrics = self.workers.update_critic(batch, self.critic_settings)
@@ -167,7 +167,7 @@ class RayPPOTrainer:
                         actor_metrics = self.workers.update_actor(batch, self.actor_settings)
                     # 5. The rollout engine gets the new weights.
                     with timer("update_weights", timings):
-                        self.workers.sync_weights()
+                        resync_metrics = self.workers.sync_weights()
                 val_metrics = {}
                 if self._validation_due(step):
                     with timer("testing", timings):
@@ -183,6 +183,7 @@ class RayPPOTrainer:
                 **kl_metrics,
                 **critic_metrics,
                 **actor_metrics,
+                **resync_metrics,
                 **val_metrics,
                 **{f"timing_s/{k}": v for k, v in timings.items()},
                 **self.perf.metrics(batch, timings),

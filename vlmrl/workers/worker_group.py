@@ -98,8 +98,14 @@ def _chunks(items: list, parts: int) -> list[list]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
-# Per-worker metrics where the largest worker matters, not the mean.
-_PEAK_METRICS = ("perf/max_memory_allocated_gb", "perf/cpu_memory_peak_gb")
+# Per-worker metrics where the largest worker matters, not the mean: peaks, and the slowest worker's resync.
+_PEAK_METRICS = (
+    "perf/max_memory_allocated_gb",
+    "perf/cpu_memory_peak_gb",
+    "perf/rollout/max_memory_allocated_gb",
+    "perf/resync_bucket_peak_mb",
+    "timing_s/resync_worker",
+)
 
 
 def _join_metrics(results: list[dict[str, float]]) -> dict[str, float]:
@@ -209,8 +215,9 @@ class WorkerGroup:
         """The actor's full state dict (HF names), gathered from the shards; a collective over the workers."""
         return ray.get([w.full_weights.remote() for w in self.workers])[0]
 
-    def sync_weights(self) -> float:
-        return max(ray.get([w.sync_weights.remote() for w in self.workers]))
+    def sync_weights(self) -> dict[str, float]:
+        """Collective: every worker streams the actor's weights into its engine; the slowest resync, largest bucket."""
+        return _join_metrics(ray.get([w.sync_weights.remote() for w in self.workers]))
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
         ray.get([w.save_checkpoint.remote(path, model_only, hf_weights) for w in self.workers])

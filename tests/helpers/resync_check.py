@@ -1,0 +1,199 @@
+"""The streamed resync against a live in-process vLLM engine, one FSDP2 rank, as a worker does it.
+
+Run as a subprocess (the engine patches torch's thread settings process-wide).
+
+    python tests/helpers/resync_check.py check MODEL_DIR DATA_FILE
+        Greedy-decode image rows, then: change the vision tower only and resync
+        (a stale encoder or prefix cache would decode as before); change every
+        weight and resync; restore the original weights and resync with tiny
+        buckets (every tensor its own all-gather): that must decode exactly
+        what the engine decoded when it was fresh on those weights.
+        Prints RESULT {json}.
+
+    python tests/helpers/resync_check.py measure MODEL_DIR BUCKET_MB [REPEATS]
+        Seconds and peak extra resident memory of a resync: the old whole
+        state dict (get_model_state_dict, then one list) against the stream;
+        and what several partial reload_weights calls do compared to one.
+        Prints RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.config import load_config
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
+from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
+
+RESPONSE = 6
+
+
+def setup(model_dir: str, max_model_len: int, min_pixels: int, max_pixels: int):
+    store = Path(tempfile.mkdtemp()) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    for module in model.modules():  # one FSDP unit per decoder layer and vision block, as the workers shard
+        if type(module).__name__ in set(model._no_split_modules or []):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    rollout = VLLMRollout(
+        model_dir, dtype="float32", seed=0, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
+        enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels,
+        max_pixels=max_pixels, max_response_length=RESPONSE, allowed_tokens=allowed,
+    )  # fmt: skip
+    return model, processor, rollout
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, prefix: str, scale: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.startswith(prefix):
+            local = p.to_local()
+            local.add_(scale * (local.std() + 1e-3) * torch.randn(local.shape, generator=gen))
+
+
+def check(model_dir: str, data_file: str) -> dict:
+    data = load_config(["config=examples/quickstart.yaml"]).data
+    model, processor, rollout = setup(model_dir, 512, data.min_pixels, data.max_pixels)
+    dataset = RLHFDataset(
+        data_file, processor, prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key,
+        image_dir=None, max_prompt_length=data.max_prompt_length, min_pixels=data.min_pixels,
+        max_pixels=data.max_pixels, format_prompt=data.format_prompt,
+    )  # fmt: skip
+    prompts = [dataset.sample(i) for i in range(4)]
+    greedy = SamplingOverrides(n=1, temperature=0.0)
+
+    def decode() -> list[dict]:
+        out = rollout.generate(prompts, list(range(len(prompts))), greedy)
+        return [{"ids": g.token_ids, "log_probs": g.log_probs} for g in out]
+
+    original = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=64 << 10)
+    result = {"fresh": decode()}
+    perturb(model, "model.visual.", 0.5, seed=1)
+    result["vision_sync"] = manager.sync()
+    result["vision_changed"] = decode()
+    perturb(model, "", 0.5, seed=2)
+    manager.sync()
+    result["all_changed"] = decode()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.to_local().copy_(original[k])
+    manager.bucket_bytes = 1  # every tensor its own bucket
+    manager.sync()
+    result["restored"] = decode()
+    # The stream names what the whole-state-dict gather names, with the same values.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    streamed = list(manager.stream_full_weights())
+    result["names_match"] = [n for n, _ in streamed] == list(full)
+    result["values_match"] = all(torch.equal(t, full[n]) for n, t in streamed)
+    return result
+
+
+class PeakRSS:
+    """Peak resident memory while the block runs, above what it was at the start (sampled every 0.2 ms)."""
+
+    def __enter__(self):
+        self.start, self.peak, self.done = self.rss(), 0, False
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    @staticmethod
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _poll(self):
+        while not self.done:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc):
+        self.done = True
+        self.thread.join()
+        self.peak = max(self.peak, self.rss())
+        self.extra_mb = (self.peak - self.start) / 2**20
+
+
+def measure(model_dir: str, bucket_mb: float, repeats: int) -> dict:
+    model, _, rollout = setup(model_dir, 256, 3136, 12544)
+    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=int(bucket_mb * 2**20))
+
+    def whole():
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        rollout.load_weights([(n, t.to(torch.float32)) for n, t in state.items()])
+
+    rows: dict[str, list] = {"whole": [], "stream": []}
+    for _ in range(repeats):
+        for name, run in (("whole", whole), ("stream", manager.sync)):
+            start = time.perf_counter()
+            with PeakRSS() as peak:
+                run()
+            rows[name].append((time.perf_counter() - start, peak.extra_mb))
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+
+    result = {
+        "model_mb": size_mb,
+        "bucket_mb": bucket_mb,
+        "largest_bucket_mb": manager.largest_bucket_bytes / 2**20,
+        **{f"{k}_seconds": median([r[0] for r in v]) for k, v in rows.items()},
+        **{f"{k}_extra_rss_mb": median([r[1] for r in v]) for k, v in rows.items()},
+    }
+    # Two partial reload_weights calls, split inside a decoder layer, against one call with the same weights.
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    probe = [{"prompt_token_ids": list(range(10, 30))}]
+
+    def greedy():
+        out = rollout.llm.generate(probe, params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+    perturb(model, "", 0.5, seed=3)
+    target = [(n, t.clone()) for n, t in manager.stream_full_weights(torch.float32)]
+    manager.sync()
+    one_call = greedy()
+    perturb(model, "", 0.5, seed=4)
+    manager.sync()  # the engine now holds other weights
+    split = next(i for i, (n, _) in enumerate(target) if "language_model" in n and n.endswith("k_proj.weight"))
+    rollout.load_weights(target[:split])
+    rollout.load_weights(target[split:])
+    result["partial_split_before"] = target[split][0]
+    result["partial_calls_equal_one_call"] = greedy() == one_call
+    return result
+
+
+def main() -> None:
+    mode, *args = sys.argv[1:]
+    if mode == "check":
+        result = check(*args)
+    else:
+        result = measure(args[0], float(args[1]), int(args[2]) if len(args) > 2 else 3)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
