@@ -914,6 +914,44 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
                 f"worker.actor.ulysses_size=2 (sequence parallelism): {TODO}",
             ],
         ),
+        # LoRA (the actor's)
+        (
+            ["worker.actor.model.lora.rank=-1"],
+            CPU,
+            ["worker.actor.model.lora.rank=-1: must be 0 (train the full model) or a positive LoRA rank"],
+        ),
+        (
+            [
+                "worker.actor.model.lora.rank=8",
+                "worker.actor.model.lora.alpha=0",
+                "worker.actor.model.lora.target_modules=' '",
+                "worker.actor.model.lora.exclude_modules='(visual'",
+            ],
+            CPU,
+            [
+                "worker.actor.model.lora.alpha=0: must be positive (the update is scaled by alpha / rank); e.g. 16",
+                "worker.actor.model.lora.target_modules is empty: set it to all-linear or comma-separated",
+                "worker.actor.model.lora.exclude_modules='(visual': not a regular expression (missing ), ",
+            ],
+        ),
+        (
+            ["worker.actor.model.lora.rank=8", "worker.ref.fsdp.torch_dtype=bf16"],
+            CPU,
+            [
+                (
+                    "worker.ref.fsdp.torch_dtype=bfloat16 with worker.actor.model.lora.rank=8: under LoRA the "
+                    "reference model is the actor's base weights, in the actor's dtype (float32); unset "
+                    "worker.ref.fsdp.torch_dtype (null)"
+                ),
+            ],
+        ),
+        (
+            [*GAE, "worker.critic.model.lora.rank=8"],
+            CPU,
+            [
+                f"worker.critic.model.lora.rank=8 (LoRA): {TODO}; set worker.critic.model.lora.rank=0 (LoRA trains",
+            ],
+        ),
     ],
     ids=lambda v: None,
 )
@@ -926,40 +964,8 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
     ("override", "expected"),
     [
         (
-            "worker.actor.model.lora.rank=8",
-            "worker.actor.model.lora.rank=8 (LoRA): {TODO}; set worker.actor.model.lora.rank=0",
-        ),
-        (
-            "worker.actor.offload.offload_params=true",
-            "worker.actor.offload.offload_params=true: {TODO}",
-        ),
-        (
-            "worker.actor.offload.offload_optimizer=true",
-            "worker.actor.offload.offload_optimizer=true: {TODO}",
-        ),
-        (
-            "worker.actor.fsdp.enable_cpu_offload=true",
-            "worker.actor.fsdp.enable_cpu_offload=true: {TODO}",
-        ),
-        (
-            "worker.ref.fsdp.enable_cpu_offload=true",
-            "worker.ref.fsdp.enable_cpu_offload=true: {TODO}",
-        ),
-        (
-            "worker.ref.offload.offload_params=true",
-            "worker.ref.offload.offload_params=true: {TODO}",
-        ),
-        (
-            "worker.actor.fsdp.enable_full_shard=false",
-            "worker.actor.fsdp.enable_full_shard=false (ZeRO-2): {TODO}",
-        ),
-        (
             "worker.actor.fsdp.fsdp_size=2",
             "worker.actor.fsdp.fsdp_size=2 (hybrid sharding): {TODO}; set worker.actor.fsdp.fsdp_size=-1",
-        ),
-        (
-            "worker.actor.fsdp.mp_param_dtype=bf16",
-            "worker.actor.fsdp.mp_param_dtype=bfloat16 (mixed precision): {TODO}; vlmrl computes in the weights' dtype (float32)",
         ),
         (
             "worker.actor.model.override_config.attention_dropout=0.1",
@@ -1006,6 +1012,47 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
 def test_settings_vlmrl_cannot_honour_yet_fail_with_what_to_set(override, expected):
     problems = problems_of(QUICKSTART, override)
     assert any(expected.format(TODO=TODO) in p for p in problems), problems
+
+
+FSDP_MEMORY_OPTIONS = [
+    "worker.actor.fsdp.enable_full_shard=false",
+    "worker.actor.fsdp.enable_cpu_offload=true",
+    "worker.actor.offload.offload_params=true",
+    "worker.actor.offload.offload_optimizer=true",
+    "worker.actor.fsdp.mp_param_dtype=bf16",
+    "worker.actor.fsdp.mp_reduce_dtype=fp32",
+    "worker.actor.fsdp.mp_buffer_dtype=fp32",
+    "worker.ref.fsdp.enable_cpu_offload=true",
+    "worker.ref.fsdp.enable_full_shard=false",
+    "worker.ref.offload.offload_params=true",
+    "worker.ref.fsdp.mp_param_dtype=bf16",
+]
+
+
+def test_fsdp_memory_options_validate():
+    # Implemented in vlmrl/workers/fsdp_options.py (tests/test_fsdp_options.py); on CPU the offloads are no-ops.
+    load_config([QUICKSTART, "algorithm.disable_kl=false", *FSDP_MEMORY_OPTIONS], CPU)
+    load_config([QUICKSTART, *GAE, "worker.critic.fsdp.enable_full_shard=false", "worker.critic.offload.offload_params=true"], CPU)
+    gpu = [o for o in FSDP_MEMORY_OPTIONS if o != "worker.actor.fsdp.enable_cpu_offload=true"]
+    load_config([QUICKSTART, "algorithm.disable_kl=false", "trainer.n_gpus_per_node=2", *gpu], GPUS)
+
+
+def test_fsdp_cpu_offload_of_a_trained_model_on_gpu_is_not_supported_yet():
+    problems = problems_of(
+        QUICKSTART,
+        *GAE,
+        "trainer.n_gpus_per_node=2",
+        "worker.actor.fsdp.enable_cpu_offload=true",
+        "worker.critic.fsdp.enable_cpu_offload=true",
+        "worker.ref.fsdp.enable_cpu_offload=true",  # no gradients to clip: accepted
+        cluster=GPUS,
+    )
+    assert problems == [
+        f"worker.{model}.fsdp.enable_cpu_offload=true on GPU (gradient clipping of host-memory gradients): {TODO}; "
+        f"set worker.{model}.fsdp.enable_cpu_offload=false (worker.{model}.offload.* moves to host memory between "
+        "passes)"
+        for model in ("actor", "critic")
+    ]
 
 
 def test_multi_node_runs_validate():
@@ -1125,3 +1172,14 @@ def test_the_plan_follows_the_cluster_and_val_overrides():
     assert (plan.actor_dtype, plan.ref_dtype) == ("float32", "bfloat16")
     assert resolve(config, CPU).device == "cpu"
     assert resolve(config, GPUS) == plan  # pure: same inputs, same plan
+
+
+def test_lora_on_the_actor_validates():
+    config = load_config([QUICKSTART, "worker.actor.model.lora.rank=8", "worker.actor.model.lora.alpha=16"], CPU)
+    lora = config.worker.actor.model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules) == (8, 16, "all-linear", None)
+    # Without KL there is no reference, so its dtype does not matter.
+    load_config(
+        [QUICKSTART, "worker.actor.model.lora.rank=8", "algorithm.disable_kl=true", "worker.ref.fsdp.torch_dtype=bf16"],
+        CPU,
+    )

@@ -37,6 +37,7 @@ import functools
 import inspect
 import itertools
 import json
+import re
 import textwrap
 import types
 import typing
@@ -258,14 +259,23 @@ class AlgorithmConfig:
 
 @dataclass
 class LoraConfig:
+    """LoRA adapters (peft) on the actor: only the adapters train; the base and vision weights stay as loaded.
+
+    The reference model is the actor with its adapters switched off (no second
+    copy), and vLLM, the HF export and ``full_weights`` get merged weights
+    (W + alpha / rank * B @ A) under the HF names. Actor only: not the critic.
+    """
+
     rank: int = 0
     """LoRA rank; 0 trains the full model."""
     alpha: int = 64
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str = "all-linear"
-    """Modules that get adapters: all-linear, or comma-separated module names."""
+    """Modules that get adapters: all-linear (every Linear layer but the output head), or comma-separated
+    module names (e.g. q_proj,k_proj,v_proj,o_proj); Linear layers only."""
     exclude_modules: str | None = None
-    """Regular expression of modules that get no adapter (e.g. .*visual.*)."""
+    """Regular expression (full match on the module's name) of modules that get no adapter; null: .*visual.*,
+    the vision tower; set it to e.g. ^$ to put adapters in the vision tower too."""
 
 
 @dataclass
@@ -474,6 +484,12 @@ class RolloutConfig:
     """Accepted for EasyR1; vlmrl never shows the engine's progress bar."""
     cpu_kvcache_space_gb: int = 1
     """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    free_cache_engine: bool = True
+    """vlmrl addition (verl's key): on GPU the engine sleeps between rollouts (vLLM sleep mode: KV cache freed,
+    weights moved to host memory) so the actor's passes get its memory; no effect on CPU, which has no sleep mode."""
+    resync_bucket_mb: int = 512
+    """vlmrl addition: after each update the weights are gathered from the FSDP shards and streamed into vLLM in
+    buckets of about this many MB (one all-gather each); a resync's extra memory is about two buckets."""
     val_override_config: ValOverrideConfig = field(default_factory=ValOverrideConfig)
     """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
 
@@ -875,6 +891,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *_batch_problems(config),
         *_kl_problems(config.algorithm),
         *_estimator_problems(config),
+        *_lora_problems(config),
         *_device_problems(config, cluster),
         *_validation_problems(config),
         *_checkpoint_problems(config.trainer, config.data),
@@ -1240,6 +1257,37 @@ def _estimator_problems(config: Config) -> list[str]:
     return problems
 
 
+def _lora_problems(config: Config) -> list[str]:
+    """The actor's LoRA settings; the critic's LoRA is refused with the settings vlmrl cannot honour yet."""
+    problems = []
+    lora, key = config.worker.actor.model.lora, "worker.actor.model.lora"
+    if lora.rank < 0:
+        problems.append(f"{key}.rank={lora.rank}: must be 0 (train the full model) or a positive LoRA rank, e.g. 8")
+    if lora.rank <= 0:
+        return problems
+    if not lora.alpha > 0:
+        problems.append(
+            f"{key}.alpha={lora.alpha}: must be positive (the update is scaled by alpha / rank); e.g. {2 * lora.rank}"
+        )
+    if not [t for t in lora.target_modules.split(",") if t.strip()]:
+        problems.append(
+            f"{key}.target_modules is empty: set it to all-linear or comma-separated Linear module names (q_proj,v_proj)"
+        )
+    if lora.exclude_modules is not None:
+        try:
+            re.compile(lora.exclude_modules)
+        except re.error as e:
+            problems.append(f"{key}.exclude_modules={lora.exclude_modules!r}: not a regular expression ({e})")
+    ref_dtype = config.worker.ref.fsdp.torch_dtype
+    if uses_reference(config) and ref_dtype is not None and ref_dtype.value != weights_dtype(config, "actor"):
+        problems.append(
+            f"worker.ref.fsdp.torch_dtype={ref_dtype.value} with {key}.rank={lora.rank}: under LoRA the reference "
+            f"model is the actor's base weights, in the actor's dtype ({weights_dtype(config, 'actor')}); "
+            "unset worker.ref.fsdp.torch_dtype (null)"
+        )
+    return problems
+
+
 def _device_problems(config: Config, cluster: Cluster) -> list[str]:
     """Workers, tensor-parallel engines and sequence-parallel groups must fit the devices."""
     problems = []
@@ -1359,29 +1407,23 @@ def _not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
     if uses_critic(config):
         models.append(("worker.critic", config.worker.critic, True))
     for section, cfg, trained in models:
-        fsdp, offload = cfg.fsdp, cfg.offload
+        # enable_full_shard, enable_cpu_offload, offload.* and mp_* are implemented (vlmrl/workers/fsdp_options.py).
+        fsdp = cfg.fsdp
         todo += [
-            (offload.offload_params, f"{section}.offload.offload_params=true", f"set {section}.offload.offload_params=false"),
-            (offload.offload_optimizer, f"{section}.offload.offload_optimizer=true",
-             f"set {section}.offload.offload_optimizer=false"),
-            (fsdp.enable_cpu_offload, f"{section}.fsdp.enable_cpu_offload=true", f"set {section}.fsdp.enable_cpu_offload=false"),
-            (not fsdp.enable_full_shard, f"{section}.fsdp.enable_full_shard=false (ZeRO-2)",
-             f"set {section}.fsdp.enable_full_shard=true"),
             (fsdp.fsdp_size not in (-1, world_size(config)), f"{section}.fsdp.fsdp_size={fsdp.fsdp_size} (hybrid sharding)",
              f"set {section}.fsdp.fsdp_size=-1"),
+            # FSDP's CPU offload leaves host-memory gradients whose norm the clipping would reduce over NCCL;
+            # runs and is tested on CPU, and for the reference model (no gradients), but not verified on a GPU.
+            (trained and fsdp.enable_cpu_offload and device(config, cluster) == "cuda",
+             f"{section}.fsdp.enable_cpu_offload=true on GPU (gradient clipping of host-memory gradients)",
+             f"set {section}.fsdp.enable_cpu_offload=false ({section}.offload.* moves to host memory between passes)"),
         ]  # fmt: skip
-        for name in ("mp_param_dtype", "mp_reduce_dtype", "mp_buffer_dtype"):
-            mp = getattr(fsdp, name)
-            weights = weights_dtype(config, section.removeprefix("worker."))
-            if mp is not None and mp.value != weights:
-                todo.append((
-                    True, f"{section}.fsdp.{name}={mp.value} (mixed precision)",
-                    f"vlmrl computes in the weights' dtype ({weights}); unset it (null) or set it to {weights}",
-                ))  # fmt: skip
         if trained:
             model, optim = cfg.model, cfg.optim
             todo += [
-                (model.lora.rank > 0, f"{section}.model.lora.rank={model.lora.rank} (LoRA)", f"set {section}.model.lora.rank=0"),
+                # The actor's LoRA is implemented (_lora_problems); the critic's value head is not wired for it.
+                (section != "worker.actor" and model.lora.rank > 0, f"{section}.model.lora.rank={model.lora.rank} (LoRA)",
+                 f"set {section}.model.lora.rank=0 (LoRA trains the actor only)"),
                 (bool(model.override_config), f"{section}.model.override_config", f"remove {section}.model.override_config"),
                 (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
                  f"set {section}.ulysses_size=1"),
