@@ -212,8 +212,10 @@ def _notes(config: Config) -> tuple[str, ...]:
 def describe(plan: Plan, config: Config) -> str:
     """The resource plan in a few lines, for --dry-run."""
     actor, trainer, rollout = config.worker.actor, config.trainer, config.worker.rollout
-    holds = ["an FSDP actor shard"]
-    holds += ["a reference shard"] * plan.use_reference + ["a critic shard"] * plan.use_critic
+    lora = actor.model.lora.rank > 0
+    holds = ["an FSDP actor shard" + (f" with LoRA adapters (rank {actor.model.lora.rank})" if lora else "")]
+    # Under LoRA the reference pass runs on the actor with its adapters off: no reference shard.
+    holds += ["a reference shard"] * (plan.use_reference and not lora) + ["a critic shard"] * plan.use_critic
     dtypes = f"actor {plan.actor_dtype}" + (f", reference {plan.ref_dtype}" if plan.use_reference else "")
     steps = f"{trainer.total_epochs} epoch(s) x (train prompts // {config.data.rollout_batch_size})"
     if trainer.max_steps:
