@@ -2,10 +2,11 @@
 # GRPO on Qwen2.5-VL-32B-Instruct with geometry3k, one node of 8 x 80 GB GPUs.
 #
 # NOT RUNNABLE YET: a 32B model needs vLLM tensor parallelism (its 65 GB of
-# bf16 weights do not fit one GPU beside the actor's shard) and the actor's
-# CPU offload during generation, and vlmrl rejects both at validation for now
-# ("not supported by vlmrl yet"). The settings are the ones to use once they
-# land; until then, use the 7B script, or give the run more memory per GPU.
+# bf16 weights do not fit one GPU beside the actor's shard), which vlmrl
+# rejects at validation for now ("not supported by vlmrl yet"); the actor's
+# offload during generation (offload.*) is implemented. The settings are the
+# ones to use once TP lands; until then, use the 7B script, or give the run
+# more memory per GPU.
 # Extra key=value arguments are passed on (see qwen2_5_vl_7b_geo3k_grpo.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
