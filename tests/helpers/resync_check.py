@@ -1,4 +1,4 @@
-"""The streamed resync against a live in-process vLLM engine, one FSDP2 rank, as a worker does it.
+"""The streamed resync against a live in-process vLLM engine per FSDP2 rank, as the workers do it.
 
 Run as a subprocess (the engine patches torch's thread settings process-wide).
 
@@ -10,15 +10,17 @@ Run as a subprocess (the engine patches torch's thread settings process-wide).
         what the engine decoded when it was fresh on those weights.
         Prints RESULT {json}.
 
-    python tests/helpers/resync_check.py measure MODEL_DIR BUCKET_MB [REPEATS]
-        Seconds and peak extra resident memory of a resync: the old whole
-        state dict (get_model_state_dict, then one list) against the stream;
-        and what several partial reload_weights calls do compared to one.
-        Prints RESULT {json}.
+    python tests/helpers/resync_check.py measure MODEL_DIR BUCKET_MB [REPEATS] [RANKS]
+        Seconds and peak extra resident memory of a resync on RANKS ranks (default 1),
+        each with its engine: the old whole state dict (get_model_state_dict, then
+        one list) against the stream; and what two partial reload_weights calls
+        do compared to one. Prints RESULT {json} (rank 0's; the memory is the
+        largest rank's).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -44,10 +46,10 @@ from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
 RESPONSE = 6
 
 
-def setup(model_dir: str, max_model_len: int, min_pixels: int, max_pixels: int):
-    store = Path(tempfile.mkdtemp()) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,))
+def setup(model_dir: str, max_model_len: int, min_pixels: int, max_pixels: int, rank=0, world=1, store=None):
+    store = store or Path(tempfile.mkdtemp()) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     for module in model.modules():  # one FSDP unit per decoder layer and vision block, as the workers shard
         if type(module).__name__ in set(model._no_split_modules or []):
@@ -114,6 +116,7 @@ class PeakRSS:
     """Peak resident memory while the block runs, above what it was at the start (sampled every 0.2 ms)."""
 
     def __enter__(self):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what earlier blocks freed goes back to the OS first
         self.start, self.peak, self.done = self.rss(), 0, False
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
@@ -135,9 +138,9 @@ class PeakRSS:
         self.extra_mb = (self.peak - self.start) / 2**20
 
 
-def measure(model_dir: str, bucket_mb: float, repeats: int) -> dict:
-    model, _, rollout = setup(model_dir, 256, 3136, 12544)
-    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+def measure(rank: int, world: int, store: str, model_dir: str, bucket_mb: float, repeats: int) -> None:
+    model, _, rollout = setup(model_dir, 256, 3136, 12544, rank, world, store)
+    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20  # DTensor: global numel
     manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=int(bucket_mb * 2**20))
 
     def whole():
@@ -155,12 +158,16 @@ def measure(model_dir: str, bucket_mb: float, repeats: int) -> dict:
     def median(xs):
         return sorted(xs)[len(xs) // 2]
 
+    extra = torch.tensor([median([r[1] for r in rows[k]]) for k in ("whole", "stream")], dtype=torch.float64)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)  # the largest rank's
     result = {
+        "ranks": world,
         "model_mb": size_mb,
         "bucket_mb": bucket_mb,
         "largest_bucket_mb": manager.largest_bucket_bytes / 2**20,
         **{f"{k}_seconds": median([r[0] for r in v]) for k, v in rows.items()},
-        **{f"{k}_extra_rss_mb": median([r[1] for r in v]) for k, v in rows.items()},
+        "whole_extra_rss_mb": float(extra[0]),
+        "stream_extra_rss_mb": float(extra[1]),
     }
     # Two partial reload_weights calls, split inside a decoder layer, against one call with the same weights.
     from vllm import SamplingParams
@@ -183,16 +190,24 @@ def measure(model_dir: str, bucket_mb: float, repeats: int) -> dict:
     rollout.load_weights(target[split:])
     result["partial_split_before"] = target[split][0]
     result["partial_calls_equal_one_call"] = greedy() == one_call
-    return result
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
 
 
 def main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "check":
-        result = check(*args)
-    else:
-        result = measure(args[0], float(args[1]), int(args[2]) if len(args) > 2 else 3)
-    print("RESULT " + json.dumps(result))
+        print("RESULT " + json.dumps(check(*args)))
+        return
+    import torch.multiprocessing as mp
+
+    model_dir, bucket_mb, repeats, world = args[0], float(args[1]), int((args + ["3"])[2]), int((args + ["3", "1"])[3])
+    store = str(Path(tempfile.mkdtemp()) / "store")
+    # Every tensor over 64 KiB gets its own mapping, returned to the OS when freed: the resident set then
+    # follows what is allocated, instead of glibc reusing one method's freed heap for the next.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    mp.spawn(measure, args=(world, store, model_dir, bucket_mb, repeats), nprocs=world)
 
 
 if __name__ == "__main__":
