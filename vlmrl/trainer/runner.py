@@ -20,6 +20,7 @@ from vlmrl.trainer.checkpoint import CheckpointManager, check_model_matches, loa
 from vlmrl.trainer.ray_trainer import RayPPOTrainer
 from vlmrl.trainer.scoring import start_scorers
 from vlmrl.trainer.tracking import RunInfo, Tracker
+from vlmrl.workers.checkpoint import check_lora_matches
 from vlmrl.workers.worker_group import WorkerGroup
 
 
@@ -77,6 +78,7 @@ class Runner:
         resume_from = checkpoints.resume_path(trainer_cfg.load_checkpoint_path, trainer_cfg.find_last_checkpoint)
         if resume_from is not None:
             check_model_matches(resume_from, model.model_path)  # before any worker loads a model
+            check_lora_matches(resume_from / "actor", model.lora if model.lora.rank > 0 else None)
 
         # Before the workers load the model: a reward function that cannot start fails the run in seconds.
         scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
