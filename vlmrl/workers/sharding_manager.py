@@ -92,7 +92,7 @@ class FSDPVLLMShardingManager:
         model: torch.nn.Module,
         rollout: VLLMRollout,
         rollout_dtype: torch.dtype,
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = 512 << 20,
         transform: StreamTransform | None = None,
     ):
         self.model = model
@@ -103,6 +103,9 @@ class FSDPVLLMShardingManager:
         self.largest_bucket_bytes = 0
         """Bytes of the largest gathered buffer (all ranks' shards of one bucket) of the last sync."""
 
+    # torch.no_grad on a generator function holds for each step of it, not for the consumer between steps;
+    # without it the copies out of the parameters would be recorded for autograd.
+    @torch.no_grad()
     def stream_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective, lazy: ``(name, full tensor)`` in state-dict order, gathered a bucket at a time.
 
@@ -118,6 +121,7 @@ class FSDPVLLMShardingManager:
         for names in plan_buckets(sizes, self.bucket_bytes):
             yield from self._gather_bucket([(n, state[n]) for n in names], dtype)
 
+    @torch.no_grad()
     def _gather_bucket(
         self, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,7 +135,7 @@ class FSDPVLLMShardingManager:
         world, rank = first.device_mesh.size(), first.device_mesh.get_local_rank()
         if world == 1:  # the shards are the whole tensors: nothing to gather or copy
             for name, t in items:
-                yield name, t.to_local() if dtype is None else t.to_local().to(dtype)
+                yield name, t.to_local().detach() if dtype is None else t.to_local().detach().to(dtype)
             return
         wire_dtype = dtype or first.dtype  # the whole bucket shares it (plan_buckets' key)
         numels = [_shard_numel(t, world) for _, t in items]
