@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,56 +36,26 @@ def test_bucket_plan_keeps_order_and_splits_on_size_and_key():
     assert plan_buckets([], 100) == []
 
 
-def _two_rank_stream(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForImageTextToText
-
-    from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for module in model.modules():
-        if type(module).__name__ in set(model._no_split_modules):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    manager = FSDPVLLMShardingManager(model, rollout=None, rollout_dtype=torch.bfloat16)
-    report = {}
-    # One tensor per all-gather in the actor's dtype, 64 KiB buckets cast to bf16 before the gather, one bucket.
-    for bucket_bytes, dtype in ((1, None), (64 << 10, torch.bfloat16), (1 << 40, None)):
-        manager.bucket_bytes = bucket_bytes
-        streamed = list(manager.stream_full_weights(dtype))
-        want = {k: v if dtype is None else v.to(dtype) for k, v in full.items()}
-        report[str(bucket_bytes)] = {
-            "names": [n for n, _ in streamed] == list(want),
-            "values": all(t.dtype == want[n].dtype and torch.equal(t, want[n]) for n, t in streamed),
-            "largest_bucket": manager.largest_bucket_bytes,
-        }
-    report["model_bytes"] = sum(v.numel() * 4 for v in full.values())
-    if rank == 0:
-        Path(out).write_text(json.dumps(report))
-    dist.destroy_process_group()
-
-
-def test_stream_over_two_ranks_equals_the_whole_state_dict(tiny_assets, tmp_path):
+def test_stream_over_two_ranks_equals_the_whole_state_dict(tmp_path):
     import torch.multiprocessing as mp
+    from helpers.two_rank_stream import run
 
     out = tmp_path / "report.json"
-    mp.spawn(_two_rank_stream, args=(2, str(tmp_path / "store"), str(tiny_assets.model_dir), str(out)), nprocs=2)
+    mp.spawn(run, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     report = json.loads(out.read_text())
-    for key, r in report.items():
-        if key != "model_bytes":
-            assert r["names"] and r["values"], (key, r)
-    # Bucket sizes bound what one all-gather holds: the largest tensor when each is its own bucket,
-    # 64 KiB (bf16) unless one tensor is bigger, the whole fp32 model as one bucket (shards padded to equal size).
-    largest_tensor = report["1"]["largest_bucket"]
-    assert largest_tensor < report["model_bytes"] / 4
-    assert report[str(64 << 10)]["largest_bucket"] <= max(64 << 10, largest_tensor) + 4096
-    assert report[str(1 << 40)]["largest_bucket"] >= report["model_bytes"]
+    # The last rank holds 3 of embed's 7 rows, 1 of the first Linear's 3 and none of the second's 1.
+    assert report["local_rows"]["embed.weight"] == 3
+    assert report["local_rows"]["blocks.0.weight"] == 1
+    assert report["local_rows"]["blocks.1.weight"] == 0
+    for case in ("1", "64", str(1 << 40)):
+        assert report[case]["names"] and report[case]["values"], (case, report[case])
+    # What one all-gather held, each rank's shard padded to ceil(rows / 2) rows. Per rank: embed 4 x 5 = 20,
+    # blocks.0 2 x 5 + 2, blocks.1 1 x 3 + 1, norm 1 + 1 elements (the buffer is not gathered).
+    # Alone, embed is the largest: 2 x 20 x 4 bytes. In 64-byte bf16 buckets embed (70 bytes) is alone,
+    # 2 x 20 x 2, and the rest shares one (2 x 18 x 2 = 72). One bucket: 2 x 38 x 4.
+    assert report["1"]["largest_bucket"] == 160
+    assert report["64"]["largest_bucket"] == 80
+    assert report[str(1 << 40)]["largest_bucket"] == 304
 
 
 @pytest.fixture(scope="module")
