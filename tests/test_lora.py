@@ -80,7 +80,8 @@ def lora_run(tmp_path_factory):
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of our own, even while another process on this machine runs one.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     workers = WorkerGroup(config, plan)
     try:
         r = {"config": config, "model_dir": model_dir, "base": base, "allowed": allowed, "tmp": tmp}
