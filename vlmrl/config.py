@@ -267,7 +267,7 @@ class LoraConfig:
     """
 
     rank: int = 0
-    """LoRA rank; 0 trains the full model."""
+    """LoRA rank; 0 trains the full model. The actor only: the critic takes 0."""
     alpha: int = 64
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str = "all-linear"
