@@ -5,7 +5,10 @@ before FSDP2 shards it: the actor stays the HF module it was, each targeted
 ``nn.Linear`` replaced by peft's LoRA ``Linear``, whose frozen weight now lives
 under ``<module>.base_layer`` and whose adapters under ``<module>.lora_A.default``
 and ``<module>.lora_B.default``. Only the adapters require grad, so the optimizer
-(built from the parameters that require grad) trains only them.
+(built from the parameters that require grad) trains only them. The actor is
+deliberately not wrapped in a ``PeftModel``: the passes, the batching and the
+checkpoint code keep the HF model's attributes (``model.visual``, ``config``,
+``save_pretrained``) and names without peft's ``base_model.model.`` prefix.
 
 The reference model under LoRA is this same module with its adapters switched
 off (``adapters_disabled``): the base weights, with no second copy loaded.
@@ -80,10 +83,6 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
             "or exclude these with worker.actor.model.lora.exclude_modules"
         )
     return model
-
-
-def has_lora(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 @contextmanager
