@@ -1033,26 +1033,7 @@ def test_fsdp_memory_options_validate():
     # Implemented in vlmrl/workers/fsdp_options.py (tests/test_fsdp_options.py); on CPU the offloads are no-ops.
     load_config([QUICKSTART, "algorithm.disable_kl=false", *FSDP_MEMORY_OPTIONS], CPU)
     load_config([QUICKSTART, *GAE, "worker.critic.fsdp.enable_full_shard=false", "worker.critic.offload.offload_params=true"], CPU)
-    gpu = [o for o in FSDP_MEMORY_OPTIONS if o != "worker.actor.fsdp.enable_cpu_offload=true"]
-    load_config([QUICKSTART, "algorithm.disable_kl=false", "trainer.n_gpus_per_node=2", *gpu], GPUS)
-
-
-def test_fsdp_cpu_offload_of_a_trained_model_on_gpu_is_not_supported_yet():
-    problems = problems_of(
-        QUICKSTART,
-        *GAE,
-        "trainer.n_gpus_per_node=2",
-        "worker.actor.fsdp.enable_cpu_offload=true",
-        "worker.critic.fsdp.enable_cpu_offload=true",
-        "worker.ref.fsdp.enable_cpu_offload=true",  # no gradients to clip: accepted
-        cluster=GPUS,
-    )
-    assert problems == [
-        f"worker.{model}.fsdp.enable_cpu_offload=true on GPU (gradient clipping of host-memory gradients): {TODO}; "
-        f"set worker.{model}.fsdp.enable_cpu_offload=false (worker.{model}.offload.* moves to host memory between "
-        "passes)"
-        for model in ("actor", "critic")
-    ]
+    load_config([QUICKSTART, "algorithm.disable_kl=false", "trainer.n_gpus_per_node=2", *FSDP_MEMORY_OPTIONS], GPUS)
 
 
 def test_multi_node_runs_validate():

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmrl.config import DType, FSDPConfig, OffloadConfig
+from vlmrl.config import Config, DType, FSDPConfig, OffloadConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
@@ -32,6 +32,7 @@ from vlmrl.workers.fsdp_options import (
     move_optimizer_states,
     offloaders,
     shard,
+    with_host_collectives,
 )
 from vlmrl.workers.rollout import Generation, sampling_mask
 
@@ -233,6 +234,15 @@ def test_options_map_to_fully_shard_arguments():
     assert type(gpu.offload_policy).__name__ == "CPUOffloadPolicy"
     # Pinned memory needs an accelerator: pinned on CUDA, plain host memory on CPU.
     assert (gpu.offload_policy.pin_memory, cpu.offload_policy.pin_memory) == (True, False)
+
+
+def test_fsdp_cpu_offload_on_nccl_adds_gloo_for_the_host_memory_collectives():
+    # Clipping all-reduces the norm of host-memory gradients; NCCL has no CPU backend.
+    offload = Config()
+    offload.worker.critic.fsdp.enable_cpu_offload = True
+    assert with_host_collectives("nccl", offload) == "cpu:gloo,cuda:nccl"
+    assert with_host_collectives("nccl", Config()) == "nccl"
+    assert with_host_collectives("gloo", offload) == "gloo"
 
 
 def test_no_full_shard_keeps_the_gathered_parameters_from_forward_to_backward(tiny_assets, mesh, batch_and_mask):

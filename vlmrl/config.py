@@ -1412,11 +1412,6 @@ def _not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         todo += [
             (fsdp.fsdp_size not in (-1, world_size(config)), f"{section}.fsdp.fsdp_size={fsdp.fsdp_size} (hybrid sharding)",
              f"set {section}.fsdp.fsdp_size=-1"),
-            # FSDP's CPU offload leaves host-memory gradients whose norm the clipping would reduce over NCCL;
-            # runs and is tested on CPU, and for the reference model (no gradients), but not verified on a GPU.
-            (trained and fsdp.enable_cpu_offload and device(config, cluster) == "cuda",
-             f"{section}.fsdp.enable_cpu_offload=true on GPU (gradient clipping of host-memory gradients)",
-             f"set {section}.fsdp.enable_cpu_offload=false ({section}.offload.* moves to host memory between passes)"),
         ]  # fmt: skip
         if trained:
             model, optim = cfg.model, cfg.optim

@@ -8,7 +8,9 @@ moves between device and host memory that ``offload.*`` asks for.
   parameters, gradients and optimizer states live in host memory and the
   optimizer steps there. On a CPU device they live there anyway: the policy
   still runs FSDP2's offload path (tested, same numbers) but saves nothing.
-  Pinned memory needs an accelerator, so it is pinned on CUDA only.
+  Pinned memory needs an accelerator, so it is pinned on CUDA only; on NCCL
+  the process group gets gloo for the host-memory collectives
+  (``with_host_collectives``).
 - ``fsdp.mp_param_dtype`` / ``mp_reduce_dtype``: ``MixedPrecisionPolicy``; the
   weights keep their ``torch_dtype`` (the master copy the optimizer steps on)
   and FSDP2 casts the gathered copy for compute and the gradients for the
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from vlmrl.config import FSDPConfig, OffloadConfig
+from vlmrl.config import Config, FSDPConfig, OffloadConfig
 
 
 def _dtype(name: Any) -> torch.dtype | None:
@@ -79,6 +81,20 @@ class ShardOptions:
         for buffer in model.buffers():
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(self.buffer_dtype)
+
+
+def with_host_collectives(backend: str, config: Config) -> str:
+    """``backend``, plus gloo for CPU tensors when a model of ``config`` uses FSDP's CPU offload on NCCL.
+
+    Under ``CPUOffloadPolicy`` the gradients' shards live in host memory, and
+    clipping all-reduces their norm there; NCCL has no CPU backend ("No backend
+    type associated with device type cpu"), so gloo carries the CPU
+    collectives, as torchtune does for the same case. Not yet run on a GPU.
+    """
+    sections = (config.worker.actor, config.worker.ref, config.worker.critic)
+    if backend == "nccl" and any(section.fsdp.enable_cpu_offload for section in sections):
+        return "cpu:gloo,cuda:nccl"
+    return backend
 
 
 def shard(model: torch.nn.Module, layer_classes: list[str], mesh, options: ShardOptions) -> torch.nn.Module:

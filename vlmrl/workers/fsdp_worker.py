@@ -31,7 +31,7 @@ from vlmrl.workers import critic as critic_passes
 from vlmrl.workers import lora as lora_adapters
 from vlmrl.workers.batching import build_batch
 from vlmrl.workers.critic import ValueModel
-from vlmrl.workers.fsdp_options import ShardOptions, offloaders, shard, uses
+from vlmrl.workers.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
 from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
 
@@ -87,7 +87,7 @@ class FSDPWorker:
             # Ray gives each worker one GPU and makes it the only visible one.
             torch.cuda.set_device(0)
         dist.init_process_group(
-            backend=process_group_backend(device),
+            backend=with_host_collectives(process_group_backend(device), config),
             init_method=init_method,
             rank=rank,
             world_size=plan.world_size,
