@@ -5,8 +5,9 @@
   of the whole-state-dict gather, for buckets of one tensor, a few, and all.
 - Against a live in-process vLLM engine (tests/helpers/resync_check.py): a
   change to the vision tower alone shows in the next decode (a stale encoder or
-  prefix cache would decode as before), and a resync back to the original
-  weights decodes exactly what the fresh engine decoded on them.
+  prefix cache would decode as before), and after resyncs of other weights, a
+  resync of the weights the engine started on decodes exactly (tokens and
+  log-probs) what the fresh engine decoded.
 - Sleep/wake order on GPU (weights, load, KV cache), none on CPU.
 - The process-group backend follows the device.
 """
@@ -73,19 +74,20 @@ def _same(a: list[dict], b: list[dict]) -> bool:
     return all(x["ids"] == y["ids"] and x["log_probs"] == y["log_probs"] for x, y in zip(a, b, strict=True))
 
 
-def test_resync_back_to_the_original_weights_decodes_exactly_as_the_fresh_engine(live_resync):
-    # Three resyncs happened in between, the last one with every tensor in its own bucket.
-    assert _same(live_resync["restored"], live_resync["fresh"])
-    assert not _same(live_resync["all_changed"], live_resync["fresh"])  # the control: the weights did change
+def test_resync_decodes_exactly_as_a_fresh_engine_on_the_same_weights(live_resync):
+    # The engine started on the target weights; two resyncs of other weights later, the target's weights
+    # come back through the stream, every tensor in its own bucket. A tensor the resync skipped would still
+    # hold the actor's earlier value, and the decode would differ.
+    assert _same(live_resync["synced_target"], live_resync["fresh_target"])
+    assert not _same(live_resync["actor"], live_resync["fresh_target"])  # the control: the resyncs changed the engine
     assert live_resync["names_match"] and live_resync["values_match"]
 
 
 def test_a_changed_vision_tower_is_not_served_from_stale_caches(live_resync):
     # Only model.visual.* changed: with the old image embeddings still cached, the same image prompts
     # would decode exactly as before. They must not.
-    fresh, changed = live_resync["fresh"], live_resync["vision_changed"]
-    assert all(len(x["ids"]) == len(y["ids"]) for x, y in zip(fresh, changed))
-    differ = [x["log_probs"][0] != y["log_probs"][0] for x, y in zip(fresh, changed)]
+    before, changed = live_resync["actor"], live_resync["vision_changed"]
+    differ = [x["log_probs"][0] != y["log_probs"][0] for x, y in zip(before, changed, strict=True)]
     assert all(differ), differ  # even the first token, conditioned on the prompt alone
     metrics = live_resync["vision_sync"]
     assert metrics["timing_s/resync_worker"] > 0

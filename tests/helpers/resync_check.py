@@ -3,11 +3,14 @@
 Run as a subprocess (the engine patches torch's thread settings process-wide).
 
     python tests/helpers/resync_check.py check MODEL_DIR DATA_FILE
-        Greedy-decode image rows, then: change the vision tower only and resync
-        (a stale encoder or prefix cache would decode as before); change every
-        weight and resync; restore the original weights and resync with tiny
-        buckets (every tensor its own all-gather): that must decode exactly
-        what the engine decoded when it was fresh on those weights.
+        The engine starts on TARGET, a copy of MODEL_DIR with every weight
+        changed, and greedy-decodes image rows; the actor starts on MODEL_DIR.
+        Then: resync the actor into the engine and decode; change the actor's
+        vision tower only, resync and decode (a stale encoder or prefix cache
+        would decode as before); give the actor TARGET's weights and resync
+        with tiny buckets (every tensor its own all-gather): that must decode
+        exactly what the engine decoded when it was fresh on TARGET, and a
+        tensor the resync skipped would still hold MODEL_DIR's value.
         Prints RESULT {json}.
 
     python tests/helpers/resync_check.py measure MODEL_DIR BUCKET_MB [REPEATS] [RANKS]
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import load_config
@@ -46,7 +51,7 @@ from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
 RESPONSE = 6
 
 
-def setup(model_dir: str, max_model_len: int, min_pixels: int, max_pixels: int, rank=0, world=1, store=None):
+def setup(model_dir, max_model_len, min_pixels, max_pixels, rank=0, world=1, store=None, engine_dir=None):
     store = store or Path(tempfile.mkdtemp()) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -58,7 +63,7 @@ def setup(model_dir: str, max_model_len: int, min_pixels: int, max_pixels: int, 
     processor = AutoProcessor.from_pretrained(model_dir)
     allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
     rollout = VLLMRollout(
-        model_dir, dtype="float32", seed=0, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
+        str(engine_dir or model_dir), dtype="float32", seed=0, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
         enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels,
         max_pixels=max_pixels, max_response_length=RESPONSE, allowed_tokens=allowed,
     )  # fmt: skip
@@ -70,13 +75,26 @@ def perturb(model: torch.nn.Module, prefix: str, scale: float, seed: int) -> Non
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.startswith(prefix):
-            local = p.to_local()
-            local.add_(scale * (local.std() + 1e-3) * torch.randn(local.shape, generator=gen))
+            local = p.to_local() if isinstance(p, DTensor) else p.data
+            # Relative to the tensor's size, so that norm weights (all ones, std 0) change as much as the rest.
+            local.add_(scale * local.abs().mean() * torch.randn(local.shape, generator=gen))
+
+
+def write_target(model_dir: str, out: Path) -> None:
+    """``model_dir`` with every weight changed, as a model directory vLLM loads."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    perturb(model, "", 0.5, seed=2)
+    model.save_pretrained(out)
+    for f in Path(model_dir).iterdir():  # tokenizer, processor and chat template
+        if f.is_file() and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
 
 
 def check(model_dir: str, data_file: str) -> dict:
     data = load_config(["config=examples/quickstart.yaml"]).data
-    model, processor, rollout = setup(model_dir, 512, data.min_pixels, data.max_pixels)
+    target_dir = Path(tempfile.mkdtemp()) / "target"
+    write_target(model_dir, target_dir)
+    model, processor, rollout = setup(model_dir, 512, data.min_pixels, data.max_pixels, engine_dir=target_dir)
     dataset = RLHFDataset(
         data_file, processor, prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key,
         image_dir=None, max_prompt_length=data.max_prompt_length, min_pixels=data.min_pixels,
@@ -89,21 +107,20 @@ def check(model_dir: str, data_file: str) -> dict:
         out = rollout.generate(prompts, list(range(len(prompts))), greedy)
         return [{"ids": g.token_ids, "log_probs": g.log_probs} for g in out]
 
-    original = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=64 << 10)
-    result = {"fresh": decode()}
+    result = {"fresh_target": decode()}
+    manager.sync()
+    result["actor"] = decode()
     perturb(model, "model.visual.", 0.5, seed=1)
     result["vision_sync"] = manager.sync()
     result["vision_changed"] = decode()
-    perturb(model, "", 0.5, seed=2)
-    manager.sync()
-    result["all_changed"] = decode()
+    target = AutoModelForImageTextToText.from_pretrained(target_dir, dtype=torch.float32).state_dict()
     with torch.no_grad():
         for k, v in model.state_dict().items():
-            v.to_local().copy_(original[k])
+            v.to_local().copy_(target[k])
     manager.bucket_bytes = 1  # every tensor its own bucket
     manager.sync()
-    result["restored"] = decode()
+    result["synced_target"] = decode()
     # The stream names what the whole-state-dict gather names, with the same values.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     streamed = list(manager.stream_full_weights())
