@@ -12,6 +12,7 @@ over gloo, where the reduce-scatter really crosses processes.
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import torch
@@ -189,9 +190,10 @@ def test_two_ranks_train_alike_under_each_option(tiny_assets, tmp_path):
     """Two gloo ranks: real reduce-scatters, also in bf16 (measured: gloo reduces bf16 on CPU)."""
     import torch.multiprocessing as mp
 
-    # Forked ranks start in a second, where spawned ones import torch and transformers again (~20 s of CPU);
-    # a fork must not inherit this process's own group, so once the one-rank group exists they are spawned.
-    start_method = "spawn" if dist.is_initialized() else "fork"
+    # Forked ranks start in a second, where spawned ones import torch and transformers again (~20 s of CPU).
+    # A fork must not inherit a process group or other machinery (Ray, vLLM: Python threads), so then: spawn.
+    quiet = not dist.is_initialized() and threading.active_count() == 1
+    start_method = "fork" if quiet else "spawn"
     with mp.Manager() as manager:
         results = manager.dict()
         args = (str(tmp_path / "init"), str(tiny_assets.model_dir), results)
