@@ -179,7 +179,7 @@ class FSDPWorker:
             self.gpu_peak_bytes = max(self.gpu_peak_bytes, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
         generations = self.rollout.generate(prompts, group_ids, sampling)
-        if on_gpu:  # vLLM runs in this process, so its weights and KV cache are in torch's count
+        if on_gpu:  # vLLM allocates through torch in this process (sleep mode: a torch memory pool); not checked on a GPU
             self.rollout_gpu_peak_bytes = max(self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
         t0 = time.perf_counter()
         batch = build_batch(
