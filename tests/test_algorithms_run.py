@@ -77,6 +77,7 @@ VARIANTS = {
         "trainer.critic_warmup=1",
     ],
     "grpo_online_filtering": ["algorithm.online_filtering=true", "algorithm.filter_key=overall"],
+    "grpo_two_epochs": ["worker.actor.ppo_epochs=2"],
 }
 
 
@@ -152,6 +153,14 @@ def test_variant_trains_with_finite_metrics(shared, name):
         assert all(m["actor/reward_kl_penalty_coef"] == pytest.approx(1e-3) for m in metrics)  # fixed controller
     if name == "grpo":
         assert has("actor/kl_loss") and has("actor/reference_kl")
+    # The old-log-prob pass runs only where a step's update is not the single on-policy one: KL in the
+    # reward reads the old log-probs before the update, a second epoch needs the first epoch's policy,
+    # and a critic-warm-up step makes no update at all.
+    assert has("actor/entropy_old")
+    if "kl_in_reward" in name or "two_epochs" in name or "adaptive_kl" in name:
+        assert has("timing_s/old")
+    elif name != "grpo_online_filtering":
+        assert not any("timing_s/old" in m for m in metrics)
     if "no_kl" in name:
         assert not any("timing_s/ref" in m or "actor/reference_kl" in m for m in metrics)  # no reference pass
     if name == "remax":

@@ -96,6 +96,14 @@ def test_vllm_and_actor_log_probs_agree_every_step(run):
         assert m["rollout/log_prob_diff_mean"] <= 1e-2, m
 
 
+def test_one_on_policy_update_per_step_runs_no_old_log_prob_pass(run):
+    # global_batch_size = rollout_batch_size and one epoch: the update's forward gives the old log-probs,
+    # and the mismatch metric above compares vLLM's with those.
+    assert not any("timing_s/old" in m for m in run["metrics"])
+    for m in run["metrics"][1:]:
+        assert m["actor/pg_clipfrac_higher"] == m["actor/pg_clipfrac_lower"] == 0  # ratio 1: nothing clips
+
+
 def test_per_step_metrics_are_written(run):
     # Step 0 holds the validation before training; then one line per training step.
     assert [m["step"] for m in run["metrics"]] == list(range(0, STEPS + 1))
@@ -103,7 +111,7 @@ def test_per_step_metrics_are_written(run):
     required = [
         "reward/overall", "reward/overlap", "actor/kl_loss", "actor/reference_kl", "actor/pg_loss", "actor/entropy",
         "response_length/mean", "rollout/log_prob_diff_mean",
-        "timing_s/gen", "timing_s/reward", "timing_s/old", "timing_s/ref", "timing_s/adv",
+        "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/adv", "actor/entropy_old",
         "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
     ]  # fmt: skip
     for m in run["metrics"][1:]:

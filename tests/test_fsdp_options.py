@@ -124,7 +124,7 @@ def train(model, batch_and_mask, between=None, steps=2):
     optimizer = adamw(model)
     metrics = []
     for _ in range(steps):
-        metrics.append(update_policy(model, optimizer, batch, SETTINGS, allowed))
+        metrics.append(update_policy(model, optimizer, batch, SETTINGS, allowed).metrics)
         if between is not None:
             between(model, optimizer)
     weights = {name: local(p) for name, p in model.named_parameters()}

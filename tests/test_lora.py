@@ -90,7 +90,7 @@ def lora_run(tmp_path_factory):
         r["batch0"], r["old0"] = batch0, workers.compute_old_log_probs(batch0)[0]
         r["ref0"] = workers.compute_ref_log_probs(batch0)
         r["base0"] = log_probs_of(base, batch0, allowed)
-        r["update_metrics"] = workers.update_actor(with_training_signal(batch0, r["old0"], r["ref0"], 0), settings)
+        r["update_metrics"] = workers.update_actor(with_training_signal(batch0, r["old0"], r["ref0"], 0), settings).metrics
         workers.sync_weights()
         # Step 1: the engine samples with the merged weights; the actor and reference score the samples.
         batch1 = workers.generate([dataset[2], dataset[3]], [2, 3], sampling)

@@ -57,7 +57,7 @@ def test_the_mlflow_run_holds_every_metric_of_every_step(run):
     per_step = [
         "reward/overall", "reward/overlap", "actor/pg_loss", "actor/kl_loss", "actor/reference_kl",
         "actor/entropy", "response_length/mean",
-        "timing_s/gen", "timing_s/reward", "timing_s/old", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
+        "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
         "timing_s/update_weights", "timing_s/step",
         "perf/throughput", "perf/time_per_step", "perf/total_num_tokens", "perf/mfu", "perf/mfu/actor",
     ]  # fmt: skip

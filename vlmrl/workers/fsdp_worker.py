@@ -163,6 +163,8 @@ class FSDPWorker:
         self.experience_batching = actor_passes.MicroBatching(
             actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
         )
+        self.experience_tokens = actor_passes.TokenCount()
+        """Tokens of the log-prob passes since the last update, for its padding metric."""
         self.sharding_manager = FSDPVLLMShardingManager(
             self.actor,
             self.rollout,
@@ -204,7 +206,12 @@ class FSDPWorker:
         """``(log_probs, entropy)`` of the responses under the current actor, each ``(b, R)``."""
         self.actor.eval()
         return actor_passes.compute_log_probs(
-            self.actor, batch, self.experience_batching, self.config.worker.rollout.temperature, self.allowed_tokens
+            self.actor,
+            batch,
+            self.experience_batching,
+            self.config.worker.rollout.temperature,
+            self.allowed_tokens,
+            self.experience_tokens,
         )
 
     @uses("ref")
@@ -215,30 +222,37 @@ class FSDPWorker:
             with lora_adapters.adapters_disabled(self.actor):
                 log_probs, _ = actor_passes.compute_log_probs(
                     self.actor, batch, self.experience_batching, self.config.worker.rollout.temperature,
-                    self.allowed_tokens,
+                    self.allowed_tokens, self.experience_tokens,
                 )  # fmt: skip
             return log_probs
         if self.ref is None:
             raise RuntimeError("reference log-probs requested but the run has no reference model (KL is off)")
         log_probs, _ = actor_passes.compute_log_probs(
-            self.ref, batch, self.experience_batching, self.config.worker.rollout.temperature, self.allowed_tokens
+            self.ref,
+            batch,
+            self.experience_batching,
+            self.config.worker.rollout.temperature,
+            self.allowed_tokens,
+            self.experience_tokens,
         )
         return log_probs
 
     # ---------------------------------------------------------------- update
 
     @uses("actor", "actor_optimizer")
-    def update_actor(self, batch: Batch, settings: actor_passes.UpdateSettings) -> dict[str, float]:
-        metrics = {
-            **actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens),
-            **_peak_memory(self.plan.device),  # host: the process's peak so far, rollouts included
-        }
+    def update_actor(self, batch: Batch, settings: actor_passes.UpdateSettings) -> actor_passes.ActorUpdate:
+        update = actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens)
+        metrics = update.metrics
+        metrics.update(_peak_memory(self.plan.device))  # host: the process's peak so far, rollouts included
         if self.plan.device == "cuda":
             run_peak = max(self.gpu_peak_bytes, self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
             metrics["perf/max_memory_allocated_gb"] = run_peak / 2**30
             metrics["perf/rollout/max_memory_allocated_gb"] = self.rollout_gpu_peak_bytes / 2**30
             self.rollout_gpu_peak_bytes = 0
-        return metrics
+        if self.experience_tokens.computed:
+            metrics["actor/padding_share_logprob"] = self.experience_tokens.padding_share
+        self.experience_tokens = actor_passes.TokenCount()
+        return update
 
     @uses("actor")
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -75,3 +75,40 @@ def pack(batch: Batch) -> Packed:
 def padding_share(batch: Batch) -> float:
     """Share of the (b, S) padded layout that is padding."""
     return 1.0 - float(batch.attention_mask.sum()) / batch.attention_mask.numel()
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    """A padded micro-batch without the columns that are padding in every one of its rows."""
+
+    input_ids: torch.Tensor
+    """(b, p + r) the kept prompt columns, then the kept response columns."""
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    """(b, 3, p + r) mrope positions of the kept columns (a token keeps its own position)."""
+    responses: torch.Tensor
+    """(b, r) the kept response columns."""
+
+
+def trim(batch: Batch) -> Trimmed:
+    """Drop the prompt columns left of every row's first token and the response columns right of every row's last.
+
+    The batch pads each prompt to ``max_prompt_length`` and each response to
+    ``max_response_length``; a micro-batch of shorter rows would otherwise run
+    the model over columns no row uses. Masked columns change no real token's
+    output, and each token keeps its own position ids, so the result is the same.
+    """
+    mask = batch.attention_mask.bool()
+    p = batch.prompt_length
+    used = mask.any(dim=0)  # (S,) columns some row uses
+    prompt_used = used[:p].nonzero()
+    first = int(prompt_used[0]) if len(prompt_used) else p  # prompts are left-padded
+    response_used = used[p:].nonzero()
+    r = int(response_used[-1]) + 1 if len(response_used) else 1  # responses are right-padded; keep one column
+    cols = slice(first, p + r)
+    return Trimmed(
+        input_ids=batch.input_ids[:, cols],
+        attention_mask=batch.attention_mask[:, cols],
+        position_ids=batch.position_ids[:, :, cols],
+        responses=batch.responses[:, :r],
+    )

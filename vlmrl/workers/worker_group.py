@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.protocol import Batch, PromptSample
+from vlmrl.workers.actor import ActorUpdate
 from vlmrl.workers.partition import balanced_partition, seqlen_balance_metrics
 from vlmrl.workers.rollout import SamplingOverrides
 
@@ -201,11 +202,16 @@ class WorkerGroup:
         shards, parts = self._scatter_parts(batch)
         return self._gather(ray.get([w.compute_values.remote(b) for w, b in zip(self.workers, shards)]), parts)
 
-    def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
-        """The workers' metrics (means; peaks as the largest worker's), plus the batch's balance over them."""
-        shards, _ = self._scatter_parts(batch)
+    def update_actor(self, batch: Batch, settings: UpdateSettings) -> ActorUpdate:
+        """The workers' metrics (means; peaks as the largest worker's), plus the batch's balance over them;
+        for an on-policy update, also the log-probs and entropy of its forward, in the batch's row order."""
+        shards, parts = self._scatter_parts(batch)
         results = ray.get([w.update_actor.remote(b, settings) for w, b in zip(self.workers, shards)])
-        return {**_join_metrics(results), **self.balance_metrics(batch)}
+        metrics = {**_join_metrics([r.metrics for r in results]), **self.balance_metrics(batch)}
+        if results[0].log_probs is None:
+            return ActorUpdate(metrics)
+        log_probs = self._gather([r.log_probs for r in results], parts)
+        return ActorUpdate(metrics, log_probs, self._gather([r.entropy for r in results], parts))
 
     def update_critic(self, batch: Batch, settings: CriticSettings) -> dict[str, float]:
         shards, _ = self._scatter_parts(batch)
