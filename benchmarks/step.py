@@ -10,8 +10,9 @@ after the other (never concurrently: the cores are shared), it measures
       benchmark's shape; the steady-state ``timing_s/*`` of metrics.jsonl after
       ``--warmup`` steps;
   (b) raw ``vllm.LLM.generate`` on the same kind of requests (images, n samples,
-      ``max_tokens``, ``ignore_eos``, ``logprobs=0``, processed log-probs, the
-      same allowed tokens), in a process of its own;
+      ``max_tokens``, ``ignore_eos``, the same allowed tokens; ``logprobs=0`` only
+      with ``--rollout-log-probs``, as vlmrl asks for them only then), in a
+      process of its own;
   (c) a raw HF no-grad forward giving response log-probs, twice (old and ref);
   (d) a raw HF forward + backward + one AdamW step on the same tokens;
   (e) a raw copy of the state dict (the least a resync must do).
@@ -152,6 +153,7 @@ def run_vlmrl(args, work: Path) -> dict:
         f"data.train_files={assets.train_file}",
         f"worker.actor.model.model_path={assets.model_dir}",
         f"worker.actor.padding_free={str(args.padding_free).lower()}",
+        f"worker.rollout.calculate_log_probs={str(args.rollout_log_probs).lower()}",
         f"data.rollout_batch_size={args.prompts}",
         f"worker.rollout.n={args.n}",
         f"data.max_response_length={args.response_length}",
@@ -205,7 +207,10 @@ def run_vlmrl(args, work: Path) -> dict:
             profile[k] = statistics.fmean(r.get(k, 0.0) for r in kept)
     return {
         "gen_profile_s": profile,
-        "padding_share_actor": _median([r["actor/padding_share"] for r in measured if "actor/padding_share" in r]),
+        "padding_share_update": _median([r["actor/padding_share"] for r in measured if "actor/padding_share" in r]),
+        "padding_share_logprob": _median(
+            [r["actor/padding_share_logprob"] for r in measured if "actor/padding_share_logprob" in r]
+        ),
         "steps_total": len(rows),
         "steps_measured": len(measured),
         "timing_s": timing,
@@ -248,7 +253,7 @@ def part_vllm(args, result_path: Path) -> None:
         temperature=1.0,
         max_tokens=args.response_length,
         ignore_eos=True,
-        logprobs=0,
+        logprobs=0 if args.rollout_log_probs else None,
         allowed_token_ids=allowed,
     )
     requests = [{"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": {"image": p.images}} for p in prompts]
@@ -361,6 +366,10 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
     t = a["timing_s"]
     step = t["step"]
     raw = b["gen_s"] + hf["old_s"] + hf["ref_s"] + hf["update_s"] + hf["copy_s"]
+    # With one on-policy update per step vlmrl runs no old-log-prob pass (the update's forward gives them);
+    # the raw floor of the passes vlmrl does run leaves (c)'s old pass out.
+    skipped_old = "old" not in t
+    raw_same_passes = raw - (hf["old_s"] if skipped_old else 0.0)
     samples = args.prompts * args.n
     raw_tps = b["gen_tokens"] / b["gen_s"]
     # vlmrl's gen phase sampled its real response lengths; compare tokens/s, not seconds.
@@ -386,6 +395,7 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
             "cpu_cores": os.cpu_count(),
         },
         "vlmrl_padding_free": args.padding_free,
+        "rollout_log_probs": args.rollout_log_probs,
         "vlmrl_step_s": step,
         "vlmrl_timing_s": t,
         "vlmrl_response_length_mean": a["response_length_mean"],
@@ -402,15 +412,20 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         "raw_state_dict_copy_s": hf["copy_s"],
         "raw_total_s": raw,
         "overhead": step / raw,
+        "vlmrl_skipped_old_pass": skipped_old,
+        "raw_total_same_passes_s": raw_same_passes,
+        "overhead_same_passes": step / raw_same_passes,
         # vlmrl's responses stop at EOS, the raw rollout's do not: the same ratio with the raw
         # generation time scaled to vlmrl's generated token count.
         "overhead_gen_token_matched": step
         / (raw - b["gen_s"] + b["gen_s"] * a["response_length_mean"] * samples / b["gen_tokens"]),
-        # Padded: 1 - real / (samples x (max prompt + response length)); padding-free: the actor's own
-        # count of the tokens its update pass computed (the log-prob passes pack the same way).
-        "padding_share": a["padding_share_actor"] if args.padding_free else 1.0 - a["real_tokens"] / a["padded_tokens"],
-        # Of the padded shape: pad tokens on the prompt side (to data.max_prompt_length) and on the
-        # response side (EOS-shortened responses to max_response_length).
+        # The actor's own counts of real against computed token positions (trimmed padded micro-batches,
+        # or packed rows), in the update and in the log-prob passes; the headline is the worse of the two.
+        "padding_share": max(a["padding_share_update"], a["padding_share_logprob"]),
+        "padding_share_update": a["padding_share_update"],
+        "padding_share_logprob": a["padding_share_logprob"],
+        # Of the full padded shape (every prompt padded to data.max_prompt_length, every response to
+        # max_response_length), which trimming and packing avoid: pad tokens on each side.
         "padding_prompt_share": (
             samples * args.max_prompt_length - (a["real_tokens"] - a["response_length_mean"] * samples)
         )
@@ -438,7 +453,7 @@ def markdown(r: dict) -> str:
         (
             f"Shape: {s['prompts']} prompts x {s['n']} samples, responses up to {s['response_length']} tokens, "
             f"prompts padded to {s['max_prompt_length']}; {s['cpu_cores']} CPU cores; mean of {s['measured_steps']} "
-            f"steps after {s['warmup_steps']} warm-up; vlmrl padding-free: {r['vlmrl_padding_free']}. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
+            f"steps after {s['warmup_steps']} warm-up; vlmrl padding-free: {r['vlmrl_padding_free']}; rollout log-probs: {r['rollout_log_probs']}. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
             f"(ignore_eos on both sides)."
         ),
         "",
@@ -452,8 +467,16 @@ def markdown(r: dict) -> str:
     lines += [
         f"| vlmrl step (s) | {r['vlmrl_step_s']:.2f} | | |",
         f"| raw total b+c+d+e (s) | {r['raw_total_s']:.2f} | | |",
+        (
+            f"| overhead against the passes vlmrl runs (old-log-prob pass skipped: "
+            f"{'yes' if r['vlmrl_skipped_old_pass'] else 'no'}) | {r['overhead_same_passes']:.3f} | | |"
+        ),
+        (
+            f"| padding share: update / log-prob passes | {r['padding_share_update']:.1%} / "
+            f"{r['padding_share_logprob']:.1%} | | |"
+        ),
         f"| overhead, raw gen scaled to vlmrl's token count | {r['overhead_gen_token_matched']:.3f} | | |",
-        f"| padding of the padded shape (what padding-free removes): prompt side / response side | {r['padding_prompt_share']:.1%} / {r['padding_response_share']:.1%} | | |",
+        f"| padding of the full padded shape (what trimming or packing removes): prompt side / response side | {r['padding_prompt_share']:.1%} / {r['padding_response_share']:.1%} | | |",
         f"| vlmrl samples/s | {r['vlmrl_samples_per_s']:.2f} | | |",
         "",
         "| phase | vlmrl (s) | raw (s) |",
@@ -511,6 +534,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             "like vlmrl's own default: on CPU the packed row's dense block-causal SDPA mask makes it slower"
         ),
     )
+    ap.add_argument(
+        "--rollout-log-probs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="vlmrl with worker.rollout.calculate_log_probs and raw vLLM with logprobs=0 (off, like vlmrl's default)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="vlmrl steps discarded")
     ap.add_argument("--steps", type=int, default=5, help="vlmrl steps measured")
     ap.add_argument("--raw-warmup", type=int, default=1)
@@ -544,6 +573,7 @@ def shape_flags(args) -> list[str]:
         f"--micro-experience={args.micro_experience}",
         f"--raw-warmup={args.raw_warmup}",
         f"--raw-reps={args.raw_reps}",
+        f"--{'' if args.rollout_log_probs else 'no-'}rollout-log-probs",
     ]
 
 

@@ -30,6 +30,9 @@ FIELDS = (
     "rollout_efficiency",
     "resync_share",
     "raw_gen_seeded_s",
+    "overhead_same_passes",
+    "padding_share_update",
+    "padding_share_logprob",
 )
 
 
@@ -46,7 +49,10 @@ def test_step_benchmark_smoke(tmp_path):
     report = json.loads((tmp_path / "step_smoke.json").read_text())
     for name in FIELDS:
         assert isinstance(report[name], (int, float)) and math.isfinite(report[name]), (name, report.get(name))
-    for name in ("step", "gen", "old", "ref", "update_actor", "update_weights"):
+    # One on-policy update per step: no old-log-prob pass, and its raw counterpart is left out of the floor.
+    assert report["vlmrl_skipped_old_pass"] is True and "old" not in report["vlmrl_timing_s"]
+    assert report["raw_total_same_passes_s"] == report["raw_total_s"] - report["raw_logprob_old_s"]
+    for name in ("step", "gen", "ref", "update_actor", "update_weights"):
         assert math.isfinite(report["vlmrl_timing_s"][name]), name
     for phase in report["phase_s_vlmrl_vs_raw"].values():
         assert math.isfinite(phase["vlmrl"]) and math.isfinite(phase["raw"])
