@@ -75,6 +75,8 @@ VARIANTS = {
         "algorithm.kl_type=adaptive",
         "algorithm.kl_horizon=100",
         "trainer.critic_warmup=1",
+        # The critic update packs its micro-batches (the value pass follows the shared workers' config).
+        "worker.critic.padding_free=true",
     ],
     "grpo_online_filtering": ["algorithm.online_filtering=true", "algorithm.filter_key=overall"],
     "grpo_two_epochs": ["worker.actor.ppo_epochs=2"],

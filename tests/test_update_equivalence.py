@@ -29,6 +29,7 @@ from vlmrl.workers.actor import (
     update_policy,
 )
 from vlmrl.workers.batching import build_batch
+from vlmrl.workers.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.workers.packing import trim
 from vlmrl.workers.rollout import Generation, sampling_mask
 
@@ -238,3 +239,51 @@ def test_an_on_policy_update_takes_its_old_log_probs_from_its_own_forward(model_
     two_epochs = dataclasses.replace(settings, ppo_epochs=2)
     with pytest.raises(RuntimeError, match="old_log_prob_pass=always"):
         update_policy(model, RecordingOptimizer(model), without, two_epochs, allowed)
+
+
+def test_the_critic_values_and_gradients_are_the_same_padded_packed_or_budgeted(tiny_assets, model_and_batch):
+    _, batch, _ = model_and_batch
+    critic = ValueModel.from_pretrained(str(tiny_assets.model_dir), torch.float32, trust_remote_code=False)
+    # The head starts at zero, which would make every value 0 and every layout agree trivially.
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    mask = batch.response_mask.bool()
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    budget = max(lengths) + min(lengths)
+    padded = compute_values(critic, batch, MicroBatching(2))
+    packed = compute_values(critic, batch, MicroBatching(2, padding_free=True))
+    budgeted = compute_values(critic, batch, MicroBatching(1, max_token_len=budget))
+    # The reference: one forward over the whole untrimmed padded layout, by hand.
+    with torch.no_grad():
+        hidden = critic.backbone(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids.transpose(0, 1),
+            use_cache=False,
+            **merged_mm_inputs(batch),
+        ).last_hidden_state
+        full = critic.value_head(hidden).squeeze(-1)[:, -RESPONSE - 1 : -1]
+    assert full[mask].abs().min() > 0
+    for got in (padded, packed, budgeted):
+        torch.testing.assert_close(got[mask], full[mask], rtol=0, atol=1e-5)
+
+    values_batch = batch.select(list(range(len(batch))))
+    values_batch.values = padded
+    values_batch.returns = padded + torch.randn(padded.shape, generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for name, (micro, budget_, padding_free) in {
+        "padded": (2, None, False), "packed": (2, None, True), "budgeted": (1, budget, True),
+    }.items():  # fmt: skip
+        settings = CriticSettings(
+            samples_per_update=len(batch), micro_batch_size=micro, ppo_epochs=1, cliprange_value=0.5,
+            loss_avg_mode=LossAvgMode.token_mean, max_grad_norm=1e9, norm_len=RESPONSE,
+            max_token_len=budget_, padding_free=padding_free,
+        )  # fmt: skip
+        optimizer = RecordingOptimizer(critic)
+        update_critic(critic, optimizer, values_batch, settings)
+        grads[name] = optimizer.grads
+    # The random head makes the critic's gradients larger than the actor's, and their float noise with them:
+    # compared per parameter, as a share of the gradient's norm.
+    assert any(g.abs().sum() > 0 for g in grads["padded"])
+    for other in ("packed", "budgeted"):
+        for (name, _), a, f in zip(critic.named_parameters(), grads[other], grads["padded"]):
+            assert float((a - f).norm()) <= 1e-4 * float(f.norm()) + 1e-9, (other, name)

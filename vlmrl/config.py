@@ -437,9 +437,9 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes of the critic over each step's samples."""
     padding_free: bool = False
-    """Pack sequences without padding; the critic pads, with the same result."""
+    """Pack each micro-batch's real tokens into one row, as the actor's padding_free does; the same values."""
     dynamic_batching: bool = False
-    """Form micro-batches by token count; vlmrl uses fixed micro-batches."""
+    """Form micro-batches under a token budget of micro_batch_size x (max_prompt_length + max_response_length)."""
     ulysses_size: int = 1
     """Ulysses sequence-parallel degree of the critic; 1 disables it."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -101,6 +101,10 @@ class Plan:
     """Dynamic batching: real tokens per update micro-batch per device; None: fixed micro-batches."""
     experience_token_budget: int | None
     """Dynamic batching: real tokens per log-prob micro-batch per device; None: fixed micro-batches."""
+    critic_update_token_budget: int | None
+    """The critic's dynamic batching: real tokens per update micro-batch per device; None: fixed micro-batches."""
+    critic_experience_token_budget: int | None
+    """The critic's dynamic batching: real tokens per value micro-batch per device; None: fixed micro-batches."""
     actor_dtype: str
     ref_dtype: str
     use_reference: bool
@@ -156,6 +160,8 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         rollout_max_model_len=rollout.max_model_len or data.max_prompt_length + data.max_response_length,
         update_token_budget=_token_budget(config, "update"),
         experience_token_budget=_token_budget(config, "experience"),
+        critic_update_token_budget=_critic_token_budget(config, "update"),
+        critic_experience_token_budget=_critic_token_budget(config, "experience"),
         actor_dtype=weights_dtype(config, "actor"),
         ref_dtype=weights_dtype(config, "ref"),
         use_reference=not config.algorithm.disable_kl,
@@ -197,6 +203,15 @@ def _token_budget(config: Config, which: str) -> int | None:
     return explicit or getattr(actor, f"micro_batch_size_per_device_for_{which}") * longest
 
 
+def _critic_token_budget(config: Config, which: str) -> int | None:
+    """With the critic's dynamic batching, its micro-batch's token budget: EasyR1's micro-batch x longest sequence."""
+    critic = config.worker.critic
+    if not critic.dynamic_batching:
+        return None
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    return getattr(critic, f"micro_batch_size_per_device_for_{which}") * longest
+
+
 def _notes(config: Config) -> tuple[str, ...]:
     """One line per accepted setting that only changes speed and that vlmrl does not act on yet."""
     notes = []
@@ -204,13 +219,6 @@ def _notes(config: Config) -> tuple[str, ...]:
     sections = [("worker.actor", worker.actor)]
     if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic:
         sections.append(("worker.critic", worker.critic))
-        # The actor's passes pack and budget tokens; the critic's do not yet.
-        if worker.critic.padding_free:
-            notes.append(
-                "worker.critic.padding_free=true: vlmrl pads the critic's sequences (same result, more compute)"
-            )
-        if worker.critic.dynamic_batching:
-            notes.append("worker.critic.dynamic_batching=true: vlmrl uses fixed critic micro-batches (same result)")
     if worker.actor.use_torch_compile:
         notes.append("worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)")
     models = ["actor"] + ["ref"] * (not config.algorithm.disable_kl) + ["critic"] * (len(sections) > 1)

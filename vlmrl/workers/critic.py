@@ -6,6 +6,10 @@ actor's checkpoint by default) with a linear head from the last hidden state
 to one scalar per position. The head starts at zero, so the first values are
 0 on every worker (identical before sharding) and the critic starts as a
 neutral baseline.
+
+Its passes batch and lay out tokens as the actor's do (``MicroBatching``):
+fixed micro-batches of rows of similar length, trimmed of the columns every
+row pads, or token-budget micro-batches, or packed rows without padding.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from vlmrl.plan import Plan
 from vlmrl.protocol import Batch
 from vlmrl.trainer import core_algos
 from vlmrl.trainer.core_algos import LossAvgMode
-from vlmrl.workers.actor import clip_and_step, global_weight, merged_mm_inputs
+from vlmrl.workers import packing
+from vlmrl.workers.actor import MicroBatching, clip_and_step, global_weight, merged_mm_inputs
 
 
 class ValueModel(torch.nn.Module):
@@ -47,25 +52,44 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def forward_values(model: ValueModel, batch: Batch) -> torch.Tensor:
-    """``(b, R)``: for each response token, the value of the state just before it."""
-    response_length = batch.responses.shape[1]
+def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) -> torch.Tensor:
+    """``(b, R)``: for each response token, the value of the state just before it (0 on response padding
+    past every row's end, or on all response padding when ``padding_free``)."""
+    device = next(model.parameters()).device
+    mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
+    shape = tuple(batch.responses.shape)
+    if padding_free:
+        packed = packing.pack(batch)
+        values = model(
+            input_ids=packed.input_ids.to(device),
+            attention_mask=None,  # the text-position row marks where each sequence starts
+            position_ids=packed.position_ids.to(device),  # (4, 1, T)
+            use_cache=False,
+            **mm,
+        )  # (1, T)
+        # The position before a response token is the state in which it is chosen: the actor's logit index.
+        return packed.unpack(values[0, packed.logit_index.to(device)], shape)
+    trimmed = packing.trim(batch)
+    r = trimmed.responses.shape[1]
     values = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids.transpose(0, 1),  # (3, b, S) as Qwen-VL expects
+        input_ids=trimmed.input_ids.to(device),
+        attention_mask=trimmed.attention_mask.to(device),
+        position_ids=trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
         use_cache=False,
-        **merged_mm_inputs(batch),
+        **mm,
     )
     # Position P+t-1 has read the prompt and the first t response tokens: the state in which token t is chosen.
-    return values[:, -response_length - 1 : -1]
+    return torch.nn.functional.pad(values[:, -r - 1 : -1], (0, shape[1] - r))
 
 
 @torch.no_grad()
-def compute_values(model: ValueModel, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-    """``(B, R)`` values, micro-batch by micro-batch."""
+def compute_values(model: ValueModel, batch: Batch, batching: MicroBatching) -> torch.Tensor:
+    """``(B, R)`` values, micro-batch by micro-batch, in the batch's row order."""
     model.eval()
-    return torch.cat([forward_values(model, mb) for mb in batch.split(micro_batch_size)])
+    values = torch.zeros(batch.responses.shape)
+    for rows in batching.groups(batch):
+        values[rows] = forward_values(model, batch.select(rows), batching.padding_free).cpu()
+    return values
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,13 @@ class CriticSettings:
     loss_avg_mode: LossAvgMode
     max_grad_norm: float
     norm_len: int
+    max_token_len: int | None = None
+    """Dynamic batching: the token budget of an update micro-batch; None: micro_batch_size samples."""
+    padding_free: bool = False
+
+    @property
+    def batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
 
     @classmethod
     def from_config(cls, config: Config, plan: Plan) -> CriticSettings:
@@ -92,6 +123,8 @@ class CriticSettings:
             loss_avg_mode=critic.loss_avg_mode,
             max_grad_norm=critic.max_grad_norm,
             norm_len=config.data.max_response_length,
+            max_token_len=plan.critic_update_token_budget,
+            padding_free=critic.padding_free,
         )
 
 
@@ -107,18 +140,21 @@ def update_critic(
         for mini in batch.split(settings.samples_per_update):
             total, world = global_weight(mini.response_mask, mode)
             optimizer.zero_grad(set_to_none=True)
-            for mb in mini.split(settings.micro_batch_size):
-                mask = mb.response_mask
+            for rows in settings.batching.groups(mini):
+                mb = mini.select(rows)
+                values = forward_values(model, mb, settings.padding_free)
+                device = values.device
+                mask = mb.response_mask.to(device)
                 loss, metrics = core_algos.value_loss_clipped(
-                    forward_values(model, mb),
-                    mb.returns,
-                    mb.values,
+                    values,
+                    mb.returns.to(device),
+                    mb.values.to(device),
                     mask,
                     settings.cliprange_value,
                     mode,
                     settings.norm_len,
                 )
-                (loss * (world * core_algos.aggregation_weight(mask, mode) / total)).backward()
+                (loss * (world * core_algos.aggregation_weight(mask, mode) / total.to(device))).backward()
                 for key, value in metrics.items():
                     sums[f"critic/{key}"].append(float(value))
             grad_norm, _ = clip_and_step(model, optimizer, settings.max_grad_norm)

@@ -274,9 +274,13 @@ class FSDPWorker:
         """``(b, R)`` the critic's values of the responses' states."""
         if self.critic is None:
             raise RuntimeError("values requested but the run has no critic (only adv_estimator=gae trains one)")
-        return critic_passes.compute_values(
-            self.critic, batch, self.config.worker.critic.micro_batch_size_per_device_for_experience
+        critic = self.config.worker.critic
+        batching = actor_passes.MicroBatching(
+            critic.micro_batch_size_per_device_for_experience,
+            self.plan.critic_experience_token_budget,
+            critic.padding_free,
         )
+        return critic_passes.compute_values(self.critic, batch, batching)
 
     @uses("critic", "critic_optimizer")
     def update_critic(self, batch: Batch, settings: critic_passes.CriticSettings) -> dict[str, float]:
