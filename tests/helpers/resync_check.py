@@ -101,7 +101,7 @@ def check(model_dir: str, data_file: str) -> dict:
         max_pixels=data.max_pixels, format_prompt=data.format_prompt,
     )  # fmt: skip
     prompts = [dataset.sample(i) for i in range(4)]
-    greedy = SamplingOverrides(n=1, temperature=0.0)
+    greedy = SamplingOverrides(n=1, temperature=0.0, want_log_probs=True)
 
     def decode() -> list[dict]:
         out = rollout.generate(prompts, list(range(len(prompts))), greedy)
