@@ -49,6 +49,7 @@ GOALS = {
     "resync_share": ("<=", 0.01),
 }
 FORMAT_PROMPT = "examples/format_prompt/colour.jinja"
+KL_COEF = 1e-3  # examples/quickstart.yaml's algorithm.kl_coef, also TRL's beta in benchmarks/trl_grpo.py
 MIN_PIXELS, MAX_PIXELS = 3136, 12544  # as in examples/quickstart.yaml
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +153,8 @@ def run_vlmrl(args, work: Path) -> dict:
         # The raw parts' model and rows (the quickstart's own are a format-tuned copy and other images).
         f"data.train_files={assets.train_file}",
         f"worker.actor.model.model_path={assets.model_dir}",
+        # The reward TRL's side uses too: an exact answer never comes out of the random model.
+        f"worker.reward.reward_function={ROOT / 'benchmarks' / 'colour_reward.py'}:compute_score",
         f"worker.actor.padding_free={str(args.padding_free).lower()}",
         f"worker.rollout.calculate_log_probs={str(args.rollout_log_probs).lower()}",
         f"data.rollout_batch_size={args.prompts}",
@@ -205,7 +208,19 @@ def run_vlmrl(args, work: Path) -> dict:
         kept = found[args.warmup :] or found[-1:]
         for k in sorted({k for r in kept for k in r}):
             profile[k] = statistics.fmean(r.get(k, 0.0) for r in kept)
+    # The losses and rewards of every step, for the sanity check against TRL's.
+    log = [
+        {
+            "step": r["step"],
+            "pg_loss": r.get("actor/pg_loss"),
+            "kl": r.get("actor/kl_loss"),
+            "reward": r.get("reward/overall"),
+            "loss": r.get("actor/pg_loss", 0.0) + KL_COEF * r.get("actor/kl_loss", 0.0),
+        }
+        for r in rows
+    ]
     return {
+        "log": log,
         "gen_profile_s": profile,
         "padding_share_update": _median([r["actor/padding_share"] for r in measured if "actor/padding_share" in r]),
         "padding_share_logprob": _median(
@@ -437,6 +452,7 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         "resync_share": t.get("update_weights", 0.0) / step,
         "phase_s_vlmrl_vs_raw": {k: {"vlmrl": v[0], "raw": v[1]} for k, v in breakdown.items()},
         "peak_rss_mib": rss,
+        "vlmrl_log": a["log"],
         **({**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]} if trl else {}),
         "goals": {k: f"{op} {v}" for k, (op, v) in GOALS.items()},
     }
@@ -501,6 +517,19 @@ def markdown(r: dict) -> str:
                 f"{r['trl_samples_per_s']:.2f} samples/s; vlmrl / TRL samples/s = {r['vlmrl_over_trl_samples_per_s']:.3f}."
             ),
         ]
+    if r.get("trl_log"):
+        # Sanity, not a race: the same model, data, lr and KL weight should give losses of the same size.
+        lines += [
+            "",
+            "Losses per step (vlmrl: pg_loss + kl_coef x kl_loss; TRL: its logged loss), KL to the reference, reward:",
+            "",
+            "| step | vlmrl loss | TRL loss | vlmrl KL | TRL KL | vlmrl reward | TRL reward |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for v, t in zip(r["vlmrl_log"], r["trl_log"]):
+            cells = [v.get("loss"), t.get("loss"), v.get("kl"), t.get("kl"), v.get("reward"), t.get("reward")]
+            shown = " | ".join("" if c is None else f"{c:.3g}" for c in cells)
+            lines.append(f"| {v['step']} | {shown} |")
     lines += ["", "| process | peak RSS (MiB) |", "| --- | --- |"]
     for k, v in r["peak_rss_mib"].items():
         lines.append(f"| {k} | {v:.0f} |")

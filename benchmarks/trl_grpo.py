@@ -44,7 +44,8 @@ def main(argv=None) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.step import FORMAT_PROMPT, MAX_PIXELS, MIN_PIXELS
+    from benchmarks.colour_reward import score
+    from benchmarks.step import FORMAT_PROMPT, KL_COEF, MAX_PIXELS, MIN_PIXELS
     from vlmrl.data.dataset import grid_size, load_rows
     from vlmrl.testing.assets import ensure_tiny_assets
 
@@ -76,11 +77,8 @@ def main(argv=None) -> None:
     train = datasets.Dataset.from_list(records)
 
     def reward(completions, answer, **kwargs):
-        out = []
-        for c, a in zip(completions, answer):
-            text = c[-1]["content"] if isinstance(c, list) else c
-            out.append(float(a in text))
-        return out
+        # vlmrl's side scores with the same function (benchmarks/colour_reward.py).
+        return [score(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     samples = args.prompts * args.n
     micro = min(args.micro_update, samples)
@@ -94,7 +92,7 @@ def main(argv=None) -> None:
         num_generations=args.n,
         max_completion_length=args.response_length,
         temperature=1.0,
-        beta=1e-3,
+        beta=KL_COEF,
         learning_rate=1e-3,
         max_steps=args.warmup + args.steps,
         logging_steps=1,
@@ -136,6 +134,12 @@ def main(argv=None) -> None:
                 "trl_samples_per_s": samples / step,
                 "trl_steps_measured": len(measured),
                 "trl_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                # For the sanity check against vlmrl's losses: TRL's own per-step log.
+                "trl_log": [
+                    {"step": e["step"], **{k: e[k] for k in ("loss", "kl", "reward") if k in e}}
+                    for e in trainer.state.log_history
+                    if "loss" in e
+                ],
             }
         )
     )
