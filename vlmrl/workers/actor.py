@@ -104,32 +104,17 @@ def forward_response(
     """
     device = _device(model)
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
+    inputs, layout = packing.model_inputs(batch, padding_free, device)
     if padding_free:
-        packed = packing.pack(batch)
-        out = model(
-            input_ids=packed.input_ids.to(device),
-            attention_mask=None,  # the text-position row marks where each sequence starts
-            position_ids=packed.position_ids.to(device),  # (4, 1, T)
-            use_cache=False,
-            logits_to_keep=packed.logit_index.to(device),
-            **mm,
-        )
+        # lm_head runs only where a logit predicts a response token.
+        out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)
         logits = out.logits[0].float() / temperature  # (K, V)
-        targets = packed.targets.to(device)  # (K,)
+        targets = layout.targets.to(device)  # (K,)
     else:
-        trimmed = packing.trim(batch)
-        response_length = trimmed.responses.shape[1]
-        out = model(
-            input_ids=trimmed.input_ids.to(device),
-            attention_mask=trimmed.attention_mask.to(device),
-            position_ids=trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
-            use_cache=False,
-            # Logits at positions P-1 .. P+R-2 predict the R response tokens.
-            logits_to_keep=response_length + 1,
-            **mm,
-        )
+        # Logits at positions P-1 .. P+r-2 predict the r kept response tokens.
+        out = model(**inputs, use_cache=False, logits_to_keep=layout.responses.shape[1] + 1, **mm)
         logits = out.logits[:, :-1, :].float() / temperature  # (b, r, V)
-        targets = trimmed.responses.to(device)  # (b, r)
+        targets = layout.responses.to(device)  # (b, r)
     # finfo.min rather than -inf: masked entries then give p = 0 and p*log p = 0 in the entropy.
     logits = logits.masked_fill(~allowed_tokens.to(device), torch.finfo(logits.dtype).min)
     log_probs = core_algos.logprobs_from_logits(logits, targets)  # (b, R) or (K,)
@@ -137,7 +122,7 @@ def forward_response(
         entropy = core_algos.entropy_from_logits(logits)  # (b, R) or (K,)
     shape = tuple(batch.responses.shape)
     if padding_free:
-        log_probs, entropy = packed.unpack(log_probs, shape), packed.unpack(entropy, shape)
+        log_probs, entropy = layout.unpack(log_probs, shape), layout.unpack(entropy, shape)
     elif log_probs.shape[1] < shape[1]:  # the trimmed response columns: padding in every row
         pad = (0, shape[1] - log_probs.shape[1])
         log_probs, entropy = torch.nn.functional.pad(log_probs, pad), torch.nn.functional.pad(entropy, pad)

@@ -58,26 +58,12 @@ def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) 
     device = next(model.parameters()).device
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     shape = tuple(batch.responses.shape)
+    inputs, layout = packing.model_inputs(batch, padding_free, device)
+    values = model(**inputs, use_cache=False, **mm)  # (1, T) packed, (b, S) trimmed
     if padding_free:
-        packed = packing.pack(batch)
-        values = model(
-            input_ids=packed.input_ids.to(device),
-            attention_mask=None,  # the text-position row marks where each sequence starts
-            position_ids=packed.position_ids.to(device),  # (4, 1, T)
-            use_cache=False,
-            **mm,
-        )  # (1, T)
         # The position before a response token is the state in which it is chosen: the actor's logit index.
-        return packed.unpack(values[0, packed.logit_index.to(device)], shape)
-    trimmed = packing.trim(batch)
-    r = trimmed.responses.shape[1]
-    values = model(
-        input_ids=trimmed.input_ids.to(device),
-        attention_mask=trimmed.attention_mask.to(device),
-        position_ids=trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S) as Qwen-VL expects
-        use_cache=False,
-        **mm,
-    )
+        return layout.unpack(values[0, layout.logit_index.to(device)], shape)
+    r = layout.responses.shape[1]
     # Position P+t-1 has read the prompt and the first t response tokens: the state in which token t is chosen.
     return torch.nn.functional.pad(values[:, -r - 1 : -1], (0, shape[1] - r))
 

@@ -112,3 +112,26 @@ def trim(batch: Batch) -> Trimmed:
         position_ids=batch.position_ids[:, :, cols],
         responses=batch.responses[:, :r],
     )
+
+
+def model_inputs(batch: Batch, padding_free: bool, device: torch.device) -> tuple[dict, Packed | Trimmed]:
+    """The model's token inputs for ``batch`` on ``device``, packed into one row or trimmed, and that layout.
+
+    Packed rows carry no attention mask: the text-position row marks where each sequence starts.
+    Trimmed rows carry their mask and the (3, b, S) positions Qwen-VL expects.
+    """
+    if padding_free:
+        packed = pack(batch)
+        inputs = {
+            "input_ids": packed.input_ids.to(device),
+            "attention_mask": None,
+            "position_ids": packed.position_ids.to(device),  # (4, 1, T)
+        }
+        return inputs, packed
+    trimmed = trim(batch)
+    inputs = {
+        "input_ids": trimmed.input_ids.to(device),
+        "attention_mask": trimmed.attention_mask.to(device),
+        "position_ids": trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S)
+    }
+    return inputs, trimmed
