@@ -665,6 +665,11 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
             ["worker.rollout.tensor_parallel_size=0: must be at least 1"],
         ),
         (
+            ["worker.rollout.resync_bucket_mb=0"],
+            CPU,
+            ["worker.rollout.resync_bucket_mb=0: must be at least 1"],
+        ),
+        (
             ["data.mini_rollout_batch_size=0"],
             CPU,
             [

@@ -1000,6 +1000,7 @@ def _range_problems(config: Config) -> list[str]:
         ("data.filter_overlong_prompts_workers", data.filter_overlong_prompts_workers),
         ("worker.rollout.n", rollout.n),
         ("worker.rollout.tensor_parallel_size", rollout.tensor_parallel_size),
+        ("worker.rollout.resync_bucket_mb", rollout.resync_bucket_mb),
         ("worker.actor.global_batch_size", actor.global_batch_size),
         (
             "worker.actor.micro_batch_size_per_device_for_update",
