@@ -29,7 +29,7 @@ MFU counts model FLOPs (recomputation under gradient checkpointing is not
 counted): 2 FLOPs per parameter per token for the language model's body, the
 vision tower per patch and ``lm_head`` per response token, plus causal
 attention, 2 x L^2 x hidden per layer and sequence; a training pass is 3x a
-forward. The peak is ``vlmrl.trainer.perf.PEAK_FLOPS`` for the GPU (no MFU for
+forward. The peak is ``vlmrl.driver.perf.PEAK_FLOPS`` for the GPU (no MFU for
 a GPU that is not in the table) or, with ``--cpu``, a measured matmul peak.
 """
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrl.trainer.perf import measure_cpu_peak_flops, peak_flops
+from vlmrl.driver.perf import measure_cpu_peak_flops, peak_flops
 
 # Qwen2.5-VL's special token ids (the real tokenizer's).
 QWEN_IDS = {
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         device_name = torch.cuda.get_device_name(device)
         peak = peak_flops(device_name)
         peak_source = (
-            "from vlmrl.trainer.perf.PEAK_FLOPS"
+            "from vlmrl.driver.perf.PEAK_FLOPS"
             if peak
             else "not in PEAK_FLOPS, so no MFU"
         )

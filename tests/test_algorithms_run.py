@@ -23,11 +23,11 @@ from transformers import AutoProcessor
 from vlmrl.config import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
-from vlmrl.trainer.checkpoint import CheckpointManager
-from vlmrl.trainer.ray_trainer import RayPPOTrainer
-from vlmrl.trainer.runner import _dataset
-from vlmrl.trainer.sampler import OnlineFilteringError
-from vlmrl.trainer.tracking import LoggerName, RunInfo, Tracker
+from vlmrl.driver.checkpoint import CheckpointManager
+from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.runner import _dataset
+from vlmrl.driver.sampler import OnlineFilteringError
+from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
 
 STEPS = 2
 
@@ -88,8 +88,8 @@ def shared(tiny_assets, tmp_path_factory):
     """Ray, the reward actor and the worker group, once for every variant."""
     import ray
 
-    from vlmrl.trainer.scoring import start_scorers
-    from vlmrl.workers.worker_group import WorkerGroup
+    from vlmrl.driver.scoring import start_scorers
+    from vlmrl.workers.group import WorkerGroup
 
     tmp = tmp_path_factory.mktemp("algorithms")
     (tmp / "reward.py").write_text(REWARD)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrl.trainer.checkpoint import (
+from vlmrl.driver.checkpoint import (
     MARKER,
     CheckpointError,
     CheckpointManager,

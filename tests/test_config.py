@@ -32,8 +32,8 @@ from vlmrl.config import (
 )
 from vlmrl.main import main
 from vlmrl.plan import resolve, world_size
-from vlmrl.trainer.core_algos import AdvantageEstimator
-from vlmrl.trainer.tracking import logger_problems
+from vlmrl.algos import AdvantageEstimator
+from vlmrl.loggers.tracking import logger_problems
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -1035,7 +1035,7 @@ FSDP_MEMORY_OPTIONS = [
 
 
 def test_fsdp_memory_options_validate():
-    # Implemented in vlmrl/workers/fsdp_options.py (tests/test_fsdp_options.py); on CPU the offloads are no-ops.
+    # Implemented in vlmrl/train/fsdp_options.py (tests/test_fsdp_options.py); on CPU the offloads are no-ops.
     load_config([QUICKSTART, "algorithm.disable_kl=false", *FSDP_MEMORY_OPTIONS], CPU)
     load_config([QUICKSTART, *GAE, "worker.critic.fsdp.enable_full_shard=false", "worker.critic.offload.offload_params=true"], CPU)
     load_config([QUICKSTART, "algorithm.disable_kl=false", "trainer.n_gpus_per_node=2", *FSDP_MEMORY_OPTIONS], GPUS)
@@ -1073,10 +1073,10 @@ def test_unused_sections_are_not_checked():
 
 
 def test_estimators_not_in_the_registry_are_refused_with_the_registered_ones():
-    from vlmrl.trainer import core_algos
+    from vlmrl import algos
 
     missing = [
-        e for e in AdvantageEstimator if e not in core_algos.ADVANTAGE_ESTIMATORS
+        e for e in AdvantageEstimator if e not in algos.ADVANTAGE_ESTIMATORS
     ]
     if not missing:
         pytest.skip("every estimator is implemented")

@@ -23,7 +23,7 @@ from vlmrl.config import (
     parse_config,
 )
 from vlmrl.plan import resolve
-from vlmrl.trainer.core_algos import LossAvgMode
+from vlmrl.algos import LossAvgMode
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))

@@ -1,4 +1,4 @@
-"""Unit tests of vlmrl.trainer.core_algos.
+"""Unit tests of vlmrl.algos.
 
 Hand-made tensors with the expected numbers derived in a comment beside each
 assertion, plus property tests (batch-order invariance, padding, degenerate
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import vlmrl.trainer.algos.logits as logits_module
-from vlmrl.trainer.core_algos import (
+import vlmrl.algos.logits as logits_module
+from vlmrl.algos import (
     ADVANTAGE_ESTIMATORS,
     KL_CONTROLLERS,
     KL_ESTIMATORS,

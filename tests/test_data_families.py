@@ -17,9 +17,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
-from vlmrl.workers.actor import forward_response
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.rollout import Generation, sampling_mask
+from vlmrl.train.actor import forward_response
+from vlmrl.records.views import build_batch
+from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 

@@ -17,9 +17,9 @@ from helpers.media import png, write_parquet, write_video
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.workers.actor import forward_response
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
+from vlmrl.train.actor import forward_response
+from vlmrl.records.views import build_batch
+from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 RESPONSE = 4

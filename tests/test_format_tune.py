@@ -15,9 +15,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.config import load_config
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.synthetic import COLOURS
-from vlmrl.workers.actor import merged_mm_inputs
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.rollout import Generation
+from vlmrl.train.actor import merged_mm_inputs
+from vlmrl.records.views import build_batch
+from vlmrl.rollout.vllm_engine import Generation
 
 N_PROMPTS = 24
 

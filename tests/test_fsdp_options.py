@@ -23,10 +23,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import Config, DType, FSDPConfig, OffloadConfig
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.fsdp_options import (
+from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
+from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
+from vlmrl.records.views import build_batch
+from vlmrl.train.fsdp_options import (
     Offloader,
     ShardOptions,
     move_model,
@@ -35,7 +35,7 @@ from vlmrl.workers.fsdp_options import (
     shard,
     with_host_collectives,
 )
-from vlmrl.workers.rollout import Generation, sampling_mask
+from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
 PROMPTS, N, RESPONSE = 1, 2, 5
 SETTINGS = UpdateSettings(

@@ -24,11 +24,11 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.config import LoraConfig, load_config
 from vlmrl.export import export
 from vlmrl.plan import detect_cluster, resolve
-from vlmrl.trainer.runner import _dataset
-from vlmrl.workers import lora
-from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs
-from vlmrl.workers.checkpoint import check_lora_matches
-from vlmrl.workers.rollout import SamplingOverrides, sampling_mask
+from vlmrl.driver.runner import _dataset
+from vlmrl.train import lora
+from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs
+from vlmrl.train.checkpoint import check_lora_matches
+from vlmrl.rollout.vllm_engine import SamplingOverrides, sampling_mask
 
 RANK, ALPHA = 8, 16
 # Adam moves every adapter entry by about lr on the first step; this lr makes the merged
@@ -55,7 +55,7 @@ def with_training_signal(batch, old, ref, seed: int):
 def lora_run(tmp_path_factory):
     import ray
 
-    from vlmrl.workers.worker_group import WorkerGroup
+    from vlmrl.workers.group import WorkerGroup
 
     tmp = tmp_path_factory.mktemp("lora")
     config = load_config([

@@ -26,8 +26,8 @@ def two_nodes(tiny_assets, tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
-    from vlmrl.trainer.scoring import start_scorers
-    from vlmrl.workers.worker_group import WorkerGroup
+    from vlmrl.driver.scoring import start_scorers
+    from vlmrl.workers.group import WorkerGroup
 
     if ray.is_initialized():
         ray.shutdown()

@@ -31,8 +31,8 @@ BUCKET_MB = 1
 def one_node(tiny_assets, tmp_path_factory):
     import ray
 
-    from vlmrl.trainer.scoring import start_scorers
-    from vlmrl.workers.worker_group import WorkerGroup
+    from vlmrl.driver.scoring import start_scorers
+    from vlmrl.workers.group import WorkerGroup
 
     if ray.is_initialized():
         ray.shutdown()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.workers.partition import balanced_partition, parts_for_budget, seqlen_balance_metrics
+from vlmrl.train.partition import balanced_partition, parts_for_budget, seqlen_balance_metrics
 
 
 def test_equal_size_balancing_by_hand():

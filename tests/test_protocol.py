@@ -1,4 +1,4 @@
-"""Unit tests of vlmrl.protocol.Batch: row selection, splitting and joining.
+"""Unit tests of vlmrl.records.Batch: row selection, splitting and joining.
 
 The worker group splits a step's batch over the workers and concatenates the
 results; the actor splits mini-batches into micro-batches. Any field that is
@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from vlmrl.protocol import Batch
+from vlmrl.records import Batch
 
 P, R = 3, 4  # prompt and response widths
 

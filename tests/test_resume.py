@@ -170,10 +170,10 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
 
     from vlmrl.config import load_config
     from vlmrl.data.dataset import RLHFDataset
-    from vlmrl.protocol import PromptSample
-    from vlmrl.workers.actor import merged_mm_inputs
-    from vlmrl.workers.batching import build_batch
-    from vlmrl.workers.rollout import Generation, sampling_mask
+    from vlmrl.records import PromptSample
+    from vlmrl.train.actor import merged_mm_inputs
+    from vlmrl.records.views import build_batch
+    from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
     data = load_config(["config=examples/quickstart.yaml"]).data
     processor = AutoProcessor.from_pretrained(model_dir)

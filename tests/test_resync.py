@@ -22,9 +22,9 @@ import pytest
 import torch
 from helpers.runs import REPO
 
-from vlmrl.workers.fsdp_worker import process_group_backend
-from vlmrl.workers.rollout import VLLMRollout
-from vlmrl.workers.sharding_manager import plan_buckets
+from vlmrl.workers.hybrid import process_group_backend
+from vlmrl.rollout.vllm_engine import VLLMRollout
+from vlmrl.weight_sync.gather import plan_buckets
 
 
 def test_bucket_plan_keeps_order_and_splits_on_size_and_key():

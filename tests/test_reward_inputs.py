@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.trainer.scoring import reward_inputs
+from vlmrl.driver.scoring import reward_inputs
 
 
 def png(width: int, height: int) -> bytes:

@@ -19,17 +19,17 @@ import torch
 from PIL import Image
 
 from vlmrl.config import Config, ConfigError, load_config, to_dict
-from vlmrl.trainer.loggers.base import RunInfo, ValidationSample, flatten, image_strip
-from vlmrl.trainer.loggers.console import ConsoleLogger, format_line
-from vlmrl.trainer.loggers.mlflow_logger import mlflow_key
-from vlmrl.trainer.perf import (
+from vlmrl.loggers.base import RunInfo, ValidationSample, flatten, image_strip
+from vlmrl.loggers.console import ConsoleLogger, format_line
+from vlmrl.loggers.mlflow_logger import mlflow_key
+from vlmrl.driver.perf import (
     FlopsModel,
     PerfMeter,
     count_parameters,
     measure_cpu_peak_flops,
     peak_flops,
 )
-from vlmrl.trainer.tracking import (
+from vlmrl.loggers.tracking import (
     LOGGERS,
     PACKAGES,
     LoggerName,
@@ -139,7 +139,7 @@ def test_mlflow_is_imported_only_by_the_mlflow_logger(tmp_path):
     code = (
         "import sys\n"
         "from vlmrl.config import Config, to_dict\n"
-        "from vlmrl.trainer.tracking import LoggerName, RunInfo, Tracker\n"
+        "from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker\n"
         f"t = Tracker([LoggerName.console, LoggerName.file], RunInfo('p', 'e', {str(tmp_path)!r}, to_dict(Config())))\n"
         "t.log({'reward/overall': 1.0}, 1); t.close()\n"
         "print(sorted(m for m in ('mlflow', 'tensorboard', 'matplotlib', 'pandas') if m in sys.modules))\n"

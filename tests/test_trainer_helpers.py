@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vlmrl.trainer.core_algos import grpo_advantages, masked_sum
-from vlmrl.trainer.metrics import reduce_reward_metrics
-from vlmrl.trainer.scoring import place_scores
-from vlmrl.workers.rollout import VISION_SPECIAL_TOKENS, sampling_mask
-from vlmrl.workers.worker_group import _chunks
+from vlmrl.algos import grpo_advantages, masked_sum
+from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.scoring import place_scores
+from vlmrl.rollout.vllm_engine import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.workers.group import _chunks
 
 # --------------------------------------------------------------------------- place_scores
 

@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.trainer.core_algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.workers.actor import (
+from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
+from vlmrl.train.actor import (
     MicroBatching,
     UpdateSettings,
     compute_log_probs,
@@ -28,10 +28,10 @@ from vlmrl.workers.actor import (
     merged_mm_inputs,
     update_policy,
 )
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.critic import CriticSettings, ValueModel, compute_values, update_critic
-from vlmrl.workers.packing import trim
-from vlmrl.workers.rollout import Generation, sampling_mask
+from vlmrl.records.views import build_batch
+from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
+from vlmrl.train.packing import trim
+from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
 PROMPTS, N, RESPONSE = 3, 2, 6
 

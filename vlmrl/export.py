@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from vlmrl.config import LoraConfig
-from vlmrl.workers.checkpoint import load_lora_config
-from vlmrl.workers.lora import merged_weights, scaling
+from vlmrl.train.checkpoint import load_lora_config
+from vlmrl.train.lora import merged_weights, scaling
 
 
 class ExportError(RuntimeError):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from vlmrl.trainer.runner import Runner
+    from vlmrl.driver.runner import Runner
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlmrl.trainer.core_algos import ADVANTAGE_ESTIMATORS
+from vlmrl.algos import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
     from vlmrl.config import Config

@@ -20,14 +20,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.config import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
-from vlmrl.trainer.checkpoint import CheckpointManager
-from vlmrl.trainer.core_algos import LossAvgMode
-from vlmrl.trainer.ray_trainer import RayPPOTrainer
-from vlmrl.trainer.runner import _dataset
-from vlmrl.trainer.tracking import LoggerName, RunInfo, Tracker
-from vlmrl.workers.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
-from vlmrl.workers.batching import build_batch
-from vlmrl.workers.rollout import Generation, sampling_mask
+from vlmrl.driver.checkpoint import CheckpointManager
+from vlmrl.algos import LossAvgMode
+from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.runner import _dataset
+from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
+from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
+from vlmrl.records.views import build_batch
+from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
 
 def fixed_batch(config, model, processor):

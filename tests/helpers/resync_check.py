@@ -45,8 +45,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import load_config
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask
-from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
+from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask
+from vlmrl.weight_sync.gather import FSDPVLLMShardingManager
 
 RESPONSE = 6
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from vlmrl.protocol import Batch
+from vlmrl.records import Batch
 
 
 def make_batch(responses: list[str], lengths: list[int], width: int = 6) -> Batch:

@@ -14,7 +14,7 @@ from transformers import AutoProcessor  # noqa: E402
 from vlmrl.config import load_config  # noqa: E402
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.testing.assets import ensure_tiny_assets  # noqa: E402
-from vlmrl.workers.rollout import SamplingOverrides, VLLMRollout, sampling_mask  # noqa: E402
+from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask  # noqa: E402
 
 PROMPTS = 24
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from vlmrl.workers.sharding_manager import FSDPVLLMShardingManager
+from vlmrl.weight_sync.gather import FSDPVLLMShardingManager
 
 # (bucket bytes, dtype cast before the gather): one tensor per all-gather, 64-byte buckets in bf16, one bucket.
 CASES = ((1, None), (64, torch.bfloat16), (1 << 40, None))

@@ -41,7 +41,7 @@ from vlmrl.data.media import (
 from vlmrl.data.options import BadSamplePolicy
 from vlmrl.data.positions import MRope
 from vlmrl.data.sources import load_rows
-from vlmrl.protocol import PromptSample
+from vlmrl.records import PromptSample
 
 __all__ = ["BadRowError", "DataError", "RLHFDataset", "grid_size"]
 

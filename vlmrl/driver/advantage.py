@@ -1,0 +1,63 @@
+"""The driver's advantage stage: token-level rewards (with the KL penalty folded
+in when the KL is in the reward), then the configured estimator.
+
+The estimator's ``EstimatorSpec`` says what it takes (a critic's values, a greedy
+baseline, config knobs); nothing here tests an estimator's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmrl.config import AlgorithmConfig
+from vlmrl.records import Batch
+from vlmrl import algos
+
+
+class AdvantageStage:
+    def __init__(self, algo: AlgorithmConfig, use_reference: bool):
+        self.algo = algo
+        self.spec = algos.ADVANTAGE_ESTIMATORS[algo.adv_estimator]
+        self.kl_controller = None
+        if use_reference and not algo.use_kl_loss:
+            self.kl_controller = algos.make_kl_controller(
+                algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
+            )
+
+    def __call__(self, batch: Batch) -> dict[str, float]:
+        """Fill ``token_level_rewards``, ``advantages`` and ``returns``; return the KL-penalty metrics."""
+        metrics = {}
+        if self.kl_controller is None:
+            batch.token_level_rewards = batch.token_level_scores
+        else:
+            batch.require("token_level_scores", "old_log_probs", "ref_log_probs")
+            coef = self.kl_controller.coef
+            batch.token_level_rewards, current_kl = algos.kl_in_reward(
+                batch.token_level_scores,
+                batch.old_log_probs,
+                batch.ref_log_probs,
+                batch.response_mask,
+                coef,
+                self.algo.kl_penalty,
+            )
+            metrics = {"actor/reward_kl_penalty": current_kl.item(), "actor/reward_kl_penalty_coef": coef}
+            self.kl_controller.update(current_kl.item(), n_steps=len(batch))
+        kwargs: dict[str, Any] = {arg: getattr(self.algo, key) for arg, key in self.spec.knobs.items()}
+        if self.spec.needs_critic:
+            batch.require("values")
+            kwargs["values"] = batch.values
+        if self.spec.needs_greedy_baseline:
+            batch.require("reward_baselines")
+            kwargs["baseline_scores"] = batch.reward_baselines
+        batch.advantages, batch.returns = self.spec.fn(
+            batch.token_level_rewards, batch.response_mask, batch.group_ids, **kwargs
+        )
+        return metrics
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint must hold for an exact resume: the adaptive KL coefficient."""
+        return {} if self.kl_controller is None else {"kl_coef": self.kl_controller.coef}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        if self.kl_controller is not None and "kl_coef" in state:
+            self.kl_controller.coef = state["kl_coef"]

@@ -1,0 +1,276 @@
+"""The driver loop: one ``fit`` that reads as the dataflow of a step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from vlmrl.config import Config, to_dict
+from vlmrl.plan import Plan
+from vlmrl.records import PromptSample
+from vlmrl.rng import rng_state, set_rng_state
+from vlmrl.driver.advantage import AdvantageStage
+from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from vlmrl.driver.metrics import batch_metrics
+from vlmrl.driver.perf import PerfMeter, ProgressBar
+from vlmrl.driver.sampler import RolloutSampler
+from vlmrl.driver.scoring import Scorers
+from vlmrl.loggers.tracking import Tracker
+from vlmrl.driver.validation import Validator
+from vlmrl.train.actor import UpdateSettings
+from vlmrl.train.critic import CriticSettings
+from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.workers.group import WorkerGroup
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+
+
+class RayPPOTrainer:
+    def __init__(
+        self,
+        config: Config,
+        plan: Plan,
+        train_loader,
+        val_loader,
+        scorers: Scorers,
+        workers: WorkerGroup,
+        tracker: Tracker,
+        checkpoints: CheckpointManager,
+        resume_from: Path | None = None,
+        stop_requested: threading.Event | None = None,
+    ):
+        self.config, self.plan = config, plan
+        self.train_loader = train_loader
+        self.steps_per_epoch = len(train_loader)
+        self.checkpoints = checkpoints
+        self.resume_from = resume_from
+        self.stop_requested = stop_requested or threading.Event()
+        self.scorer = scorers.train
+        self.workers = workers
+        self.tracker = tracker
+        self.next_group_id = 0
+        self.prompt_batches_used = 0
+        """Training prompt batches drawn so far; more than the steps when online filtering draws extra ones."""
+        self.prompt_stream = None
+        rollout = config.worker.rollout
+        self.train_sampling = SamplingOverrides(
+            n=rollout.n,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            want_log_probs=rollout.calculate_log_probs,
+            ignore_eos=rollout.ignore_eos,
+        )
+        self.validator = None
+        if val_loader is not None:
+            val_sampling = dataclasses.replace(
+                self.train_sampling,
+                n=plan.val_n,
+                temperature=plan.val_temperature,
+                top_p=plan.val_top_p,
+                top_k=plan.val_top_k,
+                ignore_eos=False,
+            )
+            self.validator = Validator(
+                workers,
+                scorers.val,
+                val_loader,
+                val_sampling,
+                plan.experiment_dir,
+                config.trainer.val_generations_to_log,
+                tracker=tracker,
+            )
+        self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
+        self.advantages = AdvantageStage(config.algorithm, plan.use_reference)
+        self.actor_settings = UpdateSettings.from_config(config, plan)
+        self.critic_settings = CriticSettings.from_config(config, plan) if plan.use_critic else None
+        self.perf = PerfMeter.for_run(config, plan)
+        total = self.steps_per_epoch * config.trainer.total_epochs
+        self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
+
+    def _prompt_batches(self):
+        """Training prompt batches from where the run stands, across epochs, without end.
+
+        Each epoch's shuffle is seeded by (data.seed, epoch), so the order of an
+        epoch does not depend on how the run got there; a resumed run continues
+        its epoch from the loader state it saved.
+        """
+        epoch, done_in_epoch = divmod(self.prompt_batches_used, self.steps_per_epoch)
+        while True:
+            if done_in_epoch == 0:
+                self.train_loader.generator.manual_seed(self.config.data.seed + epoch)
+            for prompts in self.train_loader:
+                self.prompt_batches_used += 1
+                yield prompts
+            epoch, done_in_epoch = epoch + 1, 0
+
+    def _steps(self, start_step: int):
+        """(step, prompts) from start_step + 1 to total_steps."""
+        self.prompt_stream = self._prompt_batches()
+        for step in range(start_step + 1, self.total_steps + 1):
+            yield step, next(self.prompt_stream)
+
+    def _more_prompts(self) -> list[PromptSample]:
+        """The next prompt batch, for online filtering's extra generation rounds."""
+        return next(self.prompt_stream)
+
+    def fit(self) -> None:
+        start_step = self._resume()
+        if self.config.trainer.val_only:
+            if self.validator is not None:
+                self.tracker.log(self.validator.run(start_step), start_step)
+            self.tracker.close()
+            return
+        if self.config.trainer.val_before_train and self.validator is not None and start_step == 0:
+            self.tracker.log(self.validator.run(0), 0)
+        progress = ProgressBar(self.total_steps, start_step=start_step)
+        for step, prompts in self._steps(start_step):
+            timings: dict[str, float] = {}
+            with timer("step", timings):
+                # 1. Rollout: n samples per prompt, images included (with online filtering, more
+                #    prompts until the batch is full; for ReMax, a greedy baseline response too).
+                with timer("gen", timings):
+                    rollout = self.sampler.sample(prompts, self._more_prompts)
+                batch = rollout.batch
+                # 2. Log-probs under the current and the reference policy, and the critic's values,
+                #    while the rewards are computed.
+                # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
+                old_from_update = (
+                    self.plan.old_log_probs_from_update
+                    and step > self.config.trainer.critic_warmup
+                    and len(batch) == self.plan.samples_per_update
+                )
+                entropy = None
+                if not old_from_update:
+                    with timer("old", timings):
+                        batch.old_log_probs, entropy = self.workers.compute_old_log_probs(batch)
+                if self.plan.use_reference:
+                    with timer("ref", timings):
+                        batch.ref_log_probs = self.workers.compute_ref_log_probs(batch)
+                if self.plan.use_critic:
+                    with timer("values", timings):
+                        batch.values = self.workers.compute_values(batch)
+                with timer("reward", timings):  # only the wait that the passes did not hide
+                    reward_metrics = rollout.collect()
+                # 3. Token-level rewards (less the KL penalty when KL is in the reward), then advantages.
+                with timer("adv", timings):
+                    kl_metrics = self.advantages(batch)
+                # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
+                critic_metrics, actor_metrics, resync_metrics = {}, {}, {}
+                if self.plan.use_critic:
+                    with timer("update_critic", timings):
+                        critic_metrics = self.workers.update_critic(batch, self.critic_settings)
+                if step > self.config.trainer.critic_warmup:
+                    with timer("update_actor", timings):
+                        update = self.workers.update_actor(batch, self.actor_settings)
+                    actor_metrics = update.metrics
+                    if old_from_update:
+                        batch.old_log_probs, entropy = update.log_probs, update.entropy
+                    # 5. The rollout engine gets the new weights.
+                    with timer("update_weights", timings):
+                        resync_metrics = self.workers.sync_weights()
+                val_metrics = {}
+                if self._validation_due(step):
+                    with timer("testing", timings):
+                        val_metrics = self.validator.run(step)
+                # 6. Save when due, at the end, or when asked to stop.
+                stopping = self.stop_requested.is_set()
+                if self._save_due(step) or stopping:
+                    with timer("save_checkpoint", timings):
+                        self._save(step)
+            metrics = {
+                **batch_metrics(batch, entropy),
+                **reward_metrics,
+                **kl_metrics,
+                **critic_metrics,
+                **actor_metrics,
+                **resync_metrics,
+                **val_metrics,
+                **{f"timing_s/{k}": v for k, v in timings.items()},
+                **self.perf.metrics(batch, timings),
+            }
+            self.tracker.log(metrics, step)
+            progress.update(step)
+            if stopping:
+                print(f"stop requested: saved step {step}, exiting", flush=True)
+                break
+        progress.close()
+        self.tracker.close()
+
+    # ----------------------------------------------------------- checkpoints
+
+    def _save_due(self, step: int) -> bool:
+        freq = self.config.trainer.save_freq
+        return step == self.total_steps or (freq > 0 and step % freq == 0)
+
+    def _save(self, step: int) -> None:
+        trainer_cfg = self.config.trainer
+        tmp = self.checkpoints.begin(step)
+        self.workers.save_checkpoint(
+            str(tmp),
+            model_only=trainer_cfg.save_model_only,
+            hf_weights=trainer_cfg.save_hf_weights and step == self.total_steps,
+        )
+        state = {
+            "global_step": step,
+            "next_group_id": self.next_group_id,
+            "prompt_batches_used": self.prompt_batches_used,
+            "advantages": self.advantages.state(),
+            "dataloader": self.train_loader.state_dict(),
+            "rng": rng_state(),
+            "tracker": self.tracker.state(),
+        }
+        save_trainer_state(tmp, state)
+        (tmp / "config.json").write_text(
+            json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2)
+        )
+        crash_at = os.environ.get("VLMRL_TEST_CRASH_IN_SAVE_AT_STEP")
+        if crash_at is not None and int(crash_at) == step:
+            # Fault injection for the crash-during-save test: die as SIGKILL would, shards written, not committed.
+            os.kill(os.getpid(), signal.SIGKILL)
+        path = self.checkpoints.commit(tmp, step)
+        print(f"checkpoint: saved {path}", flush=True)
+
+    def _resume(self) -> int:
+        """Restore the checkpoint the run starts from, if any; return the step it holds, or 0."""
+        path = self.resume_from
+        if path is None:
+            return 0
+        state = load_trainer_state(path)
+        restored_optimizer = self.workers.load_checkpoint(str(path))
+        step = state["global_step"]
+        self.prompt_batches_used = state.get("prompt_batches_used", step)
+        # A checkpoint taken at the end of an epoch holds a finished loader; the next epoch starts fresh.
+        if self.prompt_batches_used % self.steps_per_epoch:
+            self.train_loader.load_state_dict(state["dataloader"])
+        self.next_group_id = state["next_group_id"]
+        self.advantages.load_state(state.get("advantages", {}))
+        set_rng_state(state["rng"])
+        print(
+            f"checkpoint: resumed from {path} at step {step}"
+            + ("" if restored_optimizer else " (model only: optimizer state starts fresh)"),
+            flush=True,
+        )
+        return step
+
+    def _group_ids(self, n_prompts: int) -> list[int]:
+        ids = list(range(self.next_group_id, self.next_group_id + n_prompts))
+        self.next_group_id += n_prompts
+        return ids
+
+    def _validation_due(self, step: int) -> bool:
+        if self.validator is None:
+            return False
+        freq = self.config.trainer.val_freq
+        return step == self.total_steps or (freq > 0 and step % freq == 0)

@@ -1,0 +1,61 @@
+"""Per-step metrics computed on the driver from a finished batch."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmrl.records import Batch
+from vlmrl import algos
+
+
+def reduce_reward_metrics(per_sample: dict[str, list[float]], prefix: str) -> dict[str, float]:
+    """The mean of each reward score over the samples, as ``<prefix>/<name>``."""
+    return {f"{prefix}/{name}": sum(values) / len(values) for name, values in per_sample.items() if values}
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    """mean, max and min of a 1-D tensor as ``<name>/mean`` etc."""
+    values = values.double()
+    return {
+        f"{name}/mean": values.mean().item(),
+        f"{name}/max": values.max().item(),
+        f"{name}/min": values.min().item(),
+    }
+
+
+def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
+    """Response lengths, scores and rewards per sequence, advantages/returns/values per token, and
+    how many prompt groups carry no learning signal (advantage 0 on every token)."""
+    mask = batch.response_mask
+    valid = mask.bool()
+    lengths = mask.sum(dim=1).float()
+    metrics = {
+        **_stats("response_length", lengths),
+        "response_length/clip_ratio": (lengths == mask.shape[1]).float().mean().item(),
+        "actor/entropy_old": algos.masked_mean(entropy, mask).item(),
+        **_stats("critic/score", algos.masked_sum(batch.token_level_scores, mask, dim=-1)),
+        **_stats("critic/advantages", batch.advantages[valid]),
+        "critic/zero_advantage_groups": float(
+            algos.zero_advantage_groups(batch.advantages, mask, batch.group_ids)
+        ),
+    }
+    if batch.token_level_rewards is not None:
+        metrics.update(_stats("critic/rewards", algos.masked_sum(batch.token_level_rewards, mask, dim=-1)))
+    if batch.returns is not None:
+        metrics.update(_stats("critic/returns", batch.returns[valid]))
+    if batch.values is not None:
+        metrics.update(_stats("critic/values", batch.values[valid]))
+        returns = batch.returns[valid].double()
+        # Explained variance: 1 means the critic predicts the returns, 0 no better than their mean.
+        residual_var = (returns - batch.values[valid].double()).var()
+        metrics["critic/vf_explained_var"] = (1.0 - residual_var / returns.var().clamp_min(1e-8)).item()
+    if batch.ref_log_probs is not None:
+        kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, algos.KLEstimator.low_var_kl)
+        metrics["actor/reference_kl"] = algos.masked_mean(kl, mask).item()
+    if batch.rollout_log_probs is not None:
+        # How far vLLM's view of the policy is from the actor's: a stale resync or a
+        # numerics mismatch between the engines shows up here first.
+        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
+        metrics["rollout/log_prob_diff_mean"] = algos.masked_mean(diff, mask).item()
+        metrics["rollout/log_prob_diff_max"] = diff[valid].max().item()
+    return metrics

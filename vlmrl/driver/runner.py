@@ -1,0 +1,99 @@
+"""The Runner: a Ray actor that builds the run's pieces and starts the trainer.
+
+Building here rather than in the driver script keeps the driver process light
+and makes the same code path serve a local cluster and a remote one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from transformers import AutoProcessor
+
+from vlmrl.config import Config, to_dict
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.data.loader import make_loader
+from vlmrl.plan import Plan
+from vlmrl.driver.checkpoint import CheckpointManager, check_model_matches, load_trainer_state
+from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.scoring import start_scorers
+from vlmrl.loggers.tracking import RunInfo, Tracker
+from vlmrl.train.checkpoint import check_lora_matches
+from vlmrl.workers.group import WorkerGroup
+
+
+def _dataset(config: Config, files: str, processor) -> RLHFDataset:
+    data = config.data
+    return RLHFDataset(
+        files,
+        processor,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        image_key=data.image_key,
+        image_dir=data.image_dir,
+        max_prompt_length=data.max_prompt_length,
+        min_pixels=data.min_pixels,
+        max_pixels=data.max_pixels,
+        format_prompt=data.format_prompt,
+        override_chat_template=data.override_chat_template,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        filter_overlong_prompts_workers=data.filter_overlong_prompts_workers,
+        video_key=data.video_key,
+        video_fps=data.video_fps,
+        on_bad_sample=data.on_bad_sample,
+    )
+
+
+class Runner:
+    """Runs with two threads: ``run`` drives training, ``request_stop`` can arrive meanwhile."""
+
+    def __init__(self):
+        self.stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """Finish the current step, save a checkpoint, and return from ``run``."""
+        self.stop_requested.set()
+
+    def run(self, config: Config, plan: Plan) -> None:
+        experiment_dir = Path(plan.experiment_dir)
+        experiment_dir.mkdir(parents=True, exist_ok=True)
+        (experiment_dir / "config.json").write_text(json.dumps({"config": to_dict(config), "plan": plan.as_dict()}, indent=2))
+        print(f"plan: {json.dumps(plan.as_dict())}", flush=True)
+
+        model = config.worker.actor.model
+        processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.model_path)
+        data = config.data
+        train = _dataset(config, data.train_files, processor)
+        train_loader = make_loader(train, data.rollout_batch_size, data.shuffle, data.seed, drop_last=True)
+        val_loader = None
+        if data.val_files:
+            val = _dataset(config, data.val_files, processor)
+            val_batch = len(val) if data.val_batch_size == -1 else data.val_batch_size
+            val_loader = make_loader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
+
+        trainer_cfg = config.trainer
+        checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
+        resume_from = checkpoints.resume_path(trainer_cfg.load_checkpoint_path, trainer_cfg.find_last_checkpoint)
+        if resume_from is not None:
+            check_model_matches(resume_from, model.model_path)  # before any worker loads a model
+            check_lora_matches(resume_from / "actor", model.lora if model.lora.rank > 0 else None)
+
+        # Before the workers load the model: a reward function that cannot start fails the run in seconds.
+        scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
+        workers = WorkerGroup(config, plan)
+        run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
+        # A run resumed from its own checkpoint continues its logger runs (the same MLflow
+        # run id); one started from another experiment's checkpoint gets runs of its own.
+        own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
+        tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
+        tracker = Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
+        try:
+            RayPPOTrainer(
+                config, plan, train_loader, val_loader, scorers, workers, tracker,
+                checkpoints=checkpoints, resume_from=resume_from, stop_requested=self.stop_requested,
+            ).fit()  # fmt: skip
+        except BaseException:
+            tracker.close(failed=True)  # the MLflow run is marked FAILED rather than left RUNNING
+            raise

@@ -1,0 +1,133 @@
+"""A step's rollouts and their rewards: plain sampling, DAPO's dynamic sampling,
+and ReMax's greedy baseline.
+
+Without online filtering the rewards are launched and collected later, so the
+user's function runs while the workers compute log-probs. With it, each round's
+rewards are needed at once to decide which prompt groups to keep, and rounds
+continue on fresh prompts until the batch is full (DAPO, Yu et al. 2025, sec. 3.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vlmrl.config import Config
+from vlmrl.records import Batch, PromptSample
+from vlmrl import algos
+from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.scoring import Scorer
+from vlmrl.rollout.vllm_engine import SamplingOverrides
+
+
+class OnlineFilteringError(RuntimeError):
+    """Online filtering could not fill a batch within ``trainer.max_try_make_batch`` rounds."""
+
+
+@dataclass
+class Rollout:
+    batch: Batch
+    collect: Callable[[], dict[str, float]]
+    """Wait for the rewards still running, fill the batch's scores (and ReMax baselines); return reward metrics."""
+
+
+class RolloutSampler:
+    def __init__(
+        self,
+        config: Config,
+        workers,
+        scorer: Scorer,
+        sampling: SamplingOverrides,
+        new_group_ids: Callable[[int], list[int]],
+    ):
+        self.algo, self.workers, self.scorer, self.sampling = config.algorithm, workers, scorer, sampling
+        self.new_group_ids = new_group_ids
+        self.batch_prompts = config.data.rollout_batch_size
+        self.max_tries = config.trainer.max_try_make_batch
+        self.needs_baseline = algos.ADVANTAGE_ESTIMATORS[self.algo.adv_estimator].needs_greedy_baseline
+        self.greedy = dataclasses.replace(sampling, n=1, temperature=0.0, want_log_probs=False, ignore_eos=False)
+
+    def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
+        """The step's batch from ``prompts`` (and, with online filtering, from ``more_prompts()`` as needed)."""
+        prompt_of: dict[int, PromptSample] = {}
+        if self.algo.online_filtering:
+            batch, reward_metrics = self._filtered(prompts, more_prompts, prompt_of)
+            reward_job = None
+        else:
+            batch = self._generate(prompts, prompt_of)
+            reward_job = self.scorer.launch(batch)
+        baseline = self._launch_baseline(batch, prompt_of) if self.needs_baseline else None
+
+        def collect() -> dict[str, float]:
+            metrics = reward_metrics if reward_job is None else self.scorer.collect(reward_job, batch)
+            if baseline is not None:
+                metrics = {**metrics, **self._collect_baseline(batch, *baseline)}
+            return metrics
+
+        return Rollout(batch, collect)
+
+    def _generate(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Batch:
+        group_ids = self.new_group_ids(len(prompts))
+        prompt_of.update(zip(group_ids, prompts))
+        return self.workers.generate(prompts, group_ids, self.sampling)
+
+    def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, dict[str, float]]:
+        algo = self.algo
+        kept: list[Batch] = []
+        kept_groups = seen_groups = timeouts = 0
+        scores: dict[str, list[float]] = defaultdict(list)
+        tries = 0
+        while True:
+            tries += 1
+            batch = self._generate(prompts, prompt_of)
+            timeouts += self.scorer.collect(self.scorer.launch(batch), batch)["reward/timeouts"]
+            for name, values in batch.reward_metrics.items():
+                scores[name].extend(values)
+            if algo.filter_key not in batch.reward_metrics:
+                raise KeyError(
+                    f"algorithm.filter_key={algo.filter_key!r} is not a score the reward function returns; "
+                    f"it returns: {', '.join(sorted(batch.reward_metrics))}"
+                )
+            values = torch.tensor(batch.reward_metrics[algo.filter_key], dtype=torch.float64)
+            keep = algos.online_filter_keep(values, batch.group_ids, algo.filter_low, algo.filter_high)
+            seen_groups += len(prompts)
+            if keep.any():
+                kept.append(batch.select(keep.nonzero().flatten()))
+                kept_groups += int(batch.group_ids[keep].unique().numel())
+            if kept_groups >= self.batch_prompts:
+                break
+            if 0 < self.max_tries <= tries:
+                raise OnlineFilteringError(
+                    f"online filtering: after {tries} generation rounds only {kept_groups} of the "
+                    f"{self.batch_prompts} prompt groups a step needs had a mean {algo.filter_key} inside "
+                    f"({algo.filter_low}, {algo.filter_high}); the prompts are too easy or too hard for the policy. "
+                    "Raise trainer.max_try_make_batch (-1 for no limit), widen algorithm.filter_low/filter_high, "
+                    "or set algorithm.online_filtering=false"
+                )
+            prompts = more_prompts()
+        batch = Batch.concat(kept)
+        # Kept groups are whole (n samples each, contiguous), so the first batch_prompts x n rows are whole groups.
+        batch = batch.select(list(range(self.batch_prompts * self.sampling.n)))
+        metrics = {
+            **reduce_reward_metrics(scores, prefix="reward"),
+            "reward/timeouts": timeouts,
+            "filter/tries": tries,
+            "filter/kept_group_ratio": kept_groups / seen_groups,
+        }
+        return batch, metrics
+
+    def _launch_baseline(self, batch: Batch, prompt_of: dict[int, PromptSample]):
+        """ReMax: one greedy response per prompt of the batch, its reward launched."""
+        group_ids = list(dict.fromkeys(batch.group_ids.tolist()))  # unique, in batch order
+        greedy = self.workers.generate([prompt_of[g] for g in group_ids], group_ids, self.greedy)
+        return greedy, self.scorer.launch(greedy)
+
+    def _collect_baseline(self, batch: Batch, greedy: Batch, job) -> dict[str, float]:
+        metrics = self.scorer.collect(job, greedy, prefix="reward_baseline")
+        greedy_score = dict(zip(greedy.group_ids.tolist(), greedy.reward_metrics["overall"]))
+        batch.reward_baselines = torch.tensor([greedy_score[g] for g in batch.group_ids.tolist()])
+        return metrics

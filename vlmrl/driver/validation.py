@@ -1,0 +1,98 @@
+"""Validation: generate on the validation set, score, report per source and sub-score, and log samples.
+
+Sampling follows ``worker.rollout.val_override_config`` over a greedy single
+sample per prompt. Metrics come as ``val/reward/<score>`` over the whole set
+and ``val/<data source>/<score>`` per source, for ``overall`` and every
+sub-score the reward function returns. The first ``trainer.val_generations_to_log``
+samples (the same rows at every validation, so answers can be followed over
+the run) go to <experiment dir>/generations/step_<k>.jsonl with their token
+ids and vLLM log-probs, and to the tracker's loggers with their images.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlmrl.records import Batch
+from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.scoring import Scorer
+from vlmrl.loggers.tracking import Tracker, ValidationSample
+from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.workers.group import WorkerGroup
+
+
+class Validator:
+    def __init__(
+        self,
+        workers: WorkerGroup,
+        scorer: Scorer,
+        loader,
+        sampling: SamplingOverrides,
+        experiment_dir: str,
+        generations_to_log: int,
+        tracker: Tracker | None = None,
+    ):
+        self.workers, self.scorer, self.loader, self.sampling = workers, scorer, loader, sampling
+        self.experiment_dir = Path(experiment_dir)
+        self.generations_to_log = generations_to_log
+        self.tracker = tracker
+
+    def run(self, step: int) -> dict[str, float]:
+        parts, timeouts = [], 0
+        for prompts in self.loader:
+            # Group ids only matter for advantages, which validation does not compute.
+            batch = self.workers.generate(prompts, list(range(len(prompts))), self.sampling)
+            timeouts += self.scorer.collect(self.scorer.launch(batch), batch)["reward/timeouts"]
+            parts.append(batch)
+        batch = Batch.concat(parts)
+        metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="val/reward"), "val/reward/timeouts": timeouts}
+        for source in sorted(set(batch.data_sources)):
+            rows = [i for i, s in enumerate(batch.data_sources) if s == source]
+            per_source = {k: [v[i] for i in rows] for k, v in batch.reward_metrics.items()}
+            metrics.update(reduce_reward_metrics(per_source, prefix=f"val/{source}"))
+        self._write_generations(batch, step)
+        if self.tracker is not None and self.generations_to_log > 0:
+            self.tracker.log_samples(samples(batch, step, self.generations_to_log), step)
+        return metrics
+
+    def _write_generations(self, batch: Batch, step: int) -> None:
+        """The first generations_to_log samples, with token ids and vLLM's log-probs, as JSON lines."""
+        count = min(self.generations_to_log, len(batch))
+        if count == 0:
+            return
+        path = self.experiment_dir / "generations" / f"step_{step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for i in range(count):
+                length = int(batch.response_mask[i].sum())
+                row = {
+                    "step": step,
+                    "row": batch.row_indices[i],
+                    "prompt": batch.prompt_texts[i],
+                    "response": batch.response_texts[i],
+                    "ground_truth": batch.ground_truths[i],
+                    "data_source": batch.data_sources[i],
+                    "scores": {k: v[i] for k, v in batch.reward_metrics.items()},
+                    "response_ids": batch.responses[i, :length].tolist(),
+                    "rollout_log_probs": batch.rollout_log_probs[i, :length].tolist()
+                    if batch.rollout_log_probs is not None
+                    else None,
+                }
+                f.write(json.dumps(row) + "\n")
+
+
+def samples(batch: Batch, step: int, count: int) -> list[ValidationSample]:
+    """The first ``count`` samples of a scored validation batch, images included."""
+    return [
+        ValidationSample(
+            step=step,
+            data_source=batch.data_sources[i],
+            prompt=batch.prompt_texts[i],
+            images=batch.images[i] if batch.images else [],
+            response=batch.response_texts[i],
+            ground_truth=batch.ground_truths[i],
+            scores={k: v[i] for k, v in batch.reward_metrics.items()},
+        )
+        for i in range(min(count, len(batch)))
+    ]

@@ -1,0 +1,148 @@
+"""The critic for GAE: a value head on the VLM's backbone, its value pass and its update.
+
+The critic is the policy's architecture without the LM head: the same vision
+tower and language model (loaded from ``worker.critic.model.model_path``, the
+actor's checkpoint by default) with a linear head from the last hidden state
+to one scalar per position. The head starts at zero, so the first values are
+0 on every worker (identical before sharding) and the critic starts as a
+neutral baseline.
+
+Its passes batch and lay out tokens as the actor's do (``MicroBatching``):
+fixed micro-batches of rows of similar length, trimmed of the columns every
+row pads, or token-budget micro-batches, or packed rows without padding.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForImageTextToText
+
+from vlmrl.config import Config
+from vlmrl.plan import Plan
+from vlmrl.records import Batch
+from vlmrl import algos
+from vlmrl.algos import LossAvgMode
+from vlmrl.train import packing
+from vlmrl.train.actor import MicroBatching, clip_and_step, global_weight, merged_mm_inputs
+
+
+class ValueModel(torch.nn.Module):
+    """``backbone`` (the VLM minus its LM head) and a linear value head."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> ValueModel:
+        vlm = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = cls(vlm.model, vlm.config.get_text_config().hidden_size, dtype)
+        model.no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
+        return model
+
+    def forward(self, **inputs) -> torch.Tensor:
+        """``(b, S)`` the value of each position's state."""
+        hidden = self.backbone(**inputs).last_hidden_state  # (b, S, H)
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) -> torch.Tensor:
+    """``(b, R)``: for each response token, the value of the state just before it (0 on response padding
+    past every row's end, or on all response padding when ``padding_free``)."""
+    device = next(model.parameters()).device
+    mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
+    shape = tuple(batch.responses.shape)
+    inputs, layout = packing.model_inputs(batch, padding_free, device)
+    values = model(**inputs, use_cache=False, **mm)  # (1, T) packed, (b, S) trimmed
+    if padding_free:
+        # The position before a response token is the state in which it is chosen: the actor's logit index.
+        return layout.unpack(values[0, layout.logit_index.to(device)], shape)
+    r = layout.responses.shape[1]
+    # Position P+t-1 has read the prompt and the first t response tokens: the state in which token t is chosen.
+    return torch.nn.functional.pad(values[:, -r - 1 : -1], (0, shape[1] - r))
+
+
+@torch.no_grad()
+def compute_values(model: ValueModel, batch: Batch, batching: MicroBatching) -> torch.Tensor:
+    """``(B, R)`` values, micro-batch by micro-batch, in the batch's row order."""
+    model.eval()
+    values = torch.zeros(batch.responses.shape)
+    for rows in batching.groups(batch):
+        values[rows] = forward_values(model, batch.select(rows), batching.padding_free).cpu()
+    return values
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """What one critic update does; built by the driver and sent with each batch."""
+
+    samples_per_update: int
+    """Samples in one optimizer step on this worker."""
+    micro_batch_size: int
+    ppo_epochs: int
+    cliprange_value: float
+    loss_avg_mode: LossAvgMode
+    max_grad_norm: float
+    norm_len: int
+    max_token_len: int | None = None
+    """Dynamic batching: the token budget of an update micro-batch; None: micro_batch_size samples."""
+    padding_free: bool = False
+
+    @property
+    def batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
+
+    @classmethod
+    def from_config(cls, config: Config, plan: Plan) -> CriticSettings:
+        critic = config.worker.critic
+        return cls(
+            samples_per_update=critic.global_batch_size * config.worker.rollout.n // plan.world_size,
+            micro_batch_size=critic.micro_batch_size_per_device_for_update,
+            ppo_epochs=critic.ppo_epochs,
+            cliprange_value=critic.cliprange_value,
+            loss_avg_mode=critic.loss_avg_mode,
+            max_grad_norm=critic.max_grad_norm,
+            norm_len=config.data.max_response_length,
+            max_token_len=plan.critic_update_token_budget,
+            padding_free=critic.padding_free,
+        )
+
+
+def update_critic(
+    model: ValueModel, optimizer: torch.optim.Optimizer, batch: Batch, settings: CriticSettings
+) -> dict[str, float]:
+    """Clipped value-loss epochs towards ``batch.returns``, with exact gradient accumulation as the actor's."""
+    batch.require("values", "returns")
+    mode = settings.loss_avg_mode
+    sums: dict[str, list[float]] = defaultdict(list)
+    model.train()
+    for _ in range(settings.ppo_epochs):
+        for mini in batch.split(settings.samples_per_update):
+            total, world = global_weight(mini.response_mask, mode)
+            optimizer.zero_grad(set_to_none=True)
+            for rows in settings.batching.groups(mini):
+                mb = mini.select(rows)
+                values = forward_values(model, mb, settings.padding_free)
+                device = values.device
+                mask = mb.response_mask.to(device)
+                loss, metrics = algos.value_loss_clipped(
+                    values,
+                    mb.returns.to(device),
+                    mb.values.to(device),
+                    mask,
+                    settings.cliprange_value,
+                    mode,
+                    settings.norm_len,
+                )
+                (loss * (world * algos.aggregation_weight(mask, mode) / total.to(device))).backward()
+                for key, value in metrics.items():
+                    sums[f"critic/{key}"].append(float(value))
+            grad_norm, _ = clip_and_step(model, optimizer, settings.max_grad_norm)
+            sums["critic/grad_norm"].append(grad_norm)
+    return {key: sum(values) / len(values) for key, values in sums.items()}

@@ -1,0 +1,190 @@
+"""Moves the actor's weights into the rollout engine after each update, a bucket at a time.
+
+Every worker holds its own engine, so every worker needs the full weights. They
+are gathered from the FSDP2 shards in buckets of about ``bucket_bytes`` (one
+all-gather per bucket) and handed to vLLM as a lazy stream: the engine loads
+and repacks each layer as soon as its tensors have arrived, and a bucket is
+gathered only when the engine asks for its first tensor. No worker ever holds a
+second full copy of the model; the extra memory is about two buckets (the
+gathered buffer and the tensors cut from it) plus the layer vLLM is repacking.
+
+The names are the module's ``state_dict`` names, which for a FSDP2-sharded HF
+VLM are the HF checkpoint names (``model.visual.*``, ``model.language_model.*``,
+``lm_head.*``) that vLLM's ``reload_weights`` expects.
+
+The all-gathers are collectives: every rank walks the same state dict in the
+same order with the same bucket plan (both depend only on names, shapes and
+dtypes, which all ranks share), and the engine must consume the whole stream.
+If the engine stops early on one rank, the rest of the stream is still
+gathered there so that the other ranks do not hang in a collective.
+
+An optional ``transform`` sits between the gather and the engine: a function
+from the stream of ``(name, full tensor)`` to another such stream (for LoRA,
+merging adapters into their base weights under the HF names). With a
+transform the tensors reach it in the actor's dtype and are cast to the
+rollout dtype after it; without one they are cast before the gather, which
+halves the traffic for a float32 actor and a bfloat16 engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from vlmrl.rollout.vllm_engine import VLLMRollout
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+StreamTransform = Callable[[Iterator[tuple[str, torch.Tensor]]], NamedTensors]
+
+
+def _bucketable(tensor: torch.Tensor) -> bool:
+    """A tensor this module gathers itself: a DTensor sharded on dim 0 over a 1-D mesh (what FSDP2 makes)."""
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+        and tensor.dim() > 0
+    )
+
+
+def _shard_numel(tensor: torch.Tensor, world: int) -> int:
+    """Elements of one rank's padded shard: ``ceil(rows / world)`` rows (torch.chunk's split, as DTensor's Shard(0))."""
+    return math.ceil(tensor.shape[0] / world) * math.prod(tensor.shape[1:])
+
+
+def plan_buckets(sizes: list[tuple[str, int, object]], bucket_bytes: int) -> list[list[str]]:
+    """Group names into buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own).
+
+    ``sizes`` holds ``(name, full bytes, key)`` in state-dict order. Only
+    neighbours with the same key share a bucket (one all-gather moves one
+    dtype over one mesh); key None means "gathered on its own". Buckets keep
+    the state dict's order, which is also the order vLLM wants: a layer's
+    tensors together.
+
+    >>> plan_buckets([("a", 40, 1), ("b", 40, 1), ("c", 40, 1), ("d", 200, 1), ("e", 8, None), ("f", 8, 2)], 100)
+    [['a', 'b'], ['c'], ['d'], ['e'], ['f']]
+    """
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    current_key, current_bytes = None, 0
+    for name, nbytes, key in sizes:
+        if current and (key is None or key != current_key or current_bytes + nbytes > bucket_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        if key is None:
+            buckets.append([name])
+            continue
+        current.append(name)
+        current_key, current_bytes = key, current_bytes + nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FSDPVLLMShardingManager:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rollout: VLLMRollout,
+        rollout_dtype: torch.dtype,
+        bucket_bytes: int = 512 << 20,
+        transform: StreamTransform | None = None,
+    ):
+        self.model = model
+        self.rollout = rollout
+        self.rollout_dtype = rollout_dtype
+        self.bucket_bytes = bucket_bytes
+        self.transform = transform
+        self.largest_bucket_bytes = 0
+        """Bytes of the largest gathered buffer (all ranks' shards of one bucket) of the last sync."""
+
+    # torch.no_grad on a generator function holds for each step of it, not for the consumer between steps;
+    # without it the copies out of the parameters would be recorded for autograd.
+    @torch.no_grad()
+    def stream_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective, lazy: ``(name, full tensor)`` in state-dict order, gathered a bucket at a time.
+
+        ``dtype``: cast before the gather (None keeps each tensor's own dtype).
+        """
+        state = self.model.state_dict()  # sharded DTensors; nothing is gathered here
+        sizes = []
+        for name, t in state.items():
+            wire_dtype = dtype or t.dtype
+            key = (wire_dtype, t.device_mesh) if _bucketable(t) else None
+            sizes.append((name, t.numel() * wire_dtype.itemsize, key))
+        self.largest_bucket_bytes = 0
+        for names in plan_buckets(sizes, self.bucket_bytes):
+            yield from self._gather_bucket([(n, state[n]) for n in names], dtype)
+
+    @torch.no_grad()
+    def _gather_bucket(
+        self, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        first = items[0][1]
+        if not _bucketable(first):
+            # A replicated buffer, or a layout other than FSDP2's: DTensor gathers it (or it is already whole).
+            full = first.full_tensor() if isinstance(first, DTensor) else first
+            yield items[0][0], full if dtype is None else full.to(dtype)
+            return
+        group = first.device_mesh.get_group()
+        world, rank = first.device_mesh.size(), first.device_mesh.get_local_rank()
+        if world == 1:  # the shards are the whole tensors: nothing to gather or copy
+            for name, t in items:
+                yield name, t.to_local().detach() if dtype is None else t.to_local().detach().to(dtype)
+            return
+        wire_dtype = dtype or first.dtype  # the whole bucket shares it (plan_buckets' key)
+        numels = [_shard_numel(t, world) for _, t in items]
+        send = torch.zeros(sum(numels), dtype=wire_dtype, device=first.to_local().device)
+        offset = 0
+        for (name, t), numel in zip(items, numels):
+            local = t.to_local()
+            rows = math.ceil(t.shape[0] / world)
+            expected = max(0, min(rows, t.shape[0] - rank * rows))
+            if local.shape[0] != expected:
+                raise RuntimeError(
+                    f"{name}: local shard has {local.shape[0]} rows, expected {expected} of {t.shape[0]} "
+                    f"(rank {rank} of {world}); the resync assumes torch.chunk-style Shard(0) sharding"
+                )
+            send[offset : offset + local.numel()].copy_(local.reshape(-1))
+            offset += numel
+        gathered = torch.empty(world * send.numel(), dtype=wire_dtype, device=send.device)
+        dist.all_gather_single(gathered, send, group=group)
+        del send
+        self.largest_bucket_bytes = max(self.largest_bucket_bytes, gathered.numel() * gathered.element_size())
+        by_rank = gathered.view(world, -1)
+        offset = 0
+        for (name, t), numel in zip(items, numels):
+            rows = math.ceil(t.shape[0] / world)
+            # Rank r's rows sit at [r, offset:offset + numel]; stacked in rank order they are the full tensor
+            # plus the padding rows of the last ranks, which [: t.shape[0]] drops.
+            part = by_rank[:, offset : offset + numel].reshape(world * rows, *t.shape[1:])[: t.shape[0]]
+            offset += numel
+            yield name, part
+
+    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the engine loads: the gathered weights, through the transform if any, in the rollout dtype."""
+        if self.transform is None:
+            yield from self.stream_full_weights(self.rollout_dtype)
+            return
+        for name, tensor in self.transform(self.stream_full_weights()):
+            yield name, tensor.to(self.rollout_dtype)
+
+    def sync(self) -> dict[str, float]:
+        """Load the actor's current weights into vLLM (collective); returns the resync's metrics."""
+        start = time.perf_counter()
+        stream = self.weight_stream()
+        try:
+            self.rollout.load_weights(stream)
+        finally:
+            # The engine stopped early (an error): finish the gathers so the other ranks are not left waiting.
+            for _ in stream:
+                pass
+        return {
+            "timing_s/resync_worker": time.perf_counter() - start,
+            "perf/resync_bucket_peak_mb": self.largest_bucket_bytes / 2**20,
+        }
