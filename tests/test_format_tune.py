@@ -15,7 +15,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.config import load_config
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.synthetic import COLOURS
-from vlmrl.train.actor import merged_mm_inputs
+from vlmrl.train.micro_batches import merged_mm_inputs
 from vlmrl.records.views import build_batch
 from vlmrl.rollout.vllm_engine import Generation
 

@@ -24,7 +24,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.config import Config, DType, FSDPConfig, OffloadConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.records.views import build_batch
 from vlmrl.train.fsdp_options import (
     Offloader,
@@ -51,7 +52,7 @@ SETTINGS = UpdateSettings(
     use_kl_loss=False,
     kl_estimator=KLEstimator.low_var_kl,
     kl_coef=0.0,
-    temperature=1.0,
+
 )
 
 
@@ -94,7 +95,7 @@ def batch_and_mask(tiny_assets):
         generations, max_prompt_length=128, max_response_length=RESPONSE,
         pad_token_id=processor.tokenizer.pad_token_id, model=model,
     )  # fmt: skip
-    log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), allowed)
     batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
     batch.advantages = torch.randn(len(batch), 1, generator=gen).expand(-1, RESPONSE) * batch.response_mask
     return batch, allowed

@@ -26,7 +26,8 @@ from vlmrl.export import export
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.runner import _dataset
 from vlmrl.train import lora
-from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs
+from vlmrl.train.actor import UpdateSettings, compute_log_probs
+from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.train.checkpoint import check_lora_matches
 from vlmrl.rollout.vllm_engine import SamplingOverrides, sampling_mask
 
@@ -39,7 +40,7 @@ VLLM_ATOL = 2e-2
 
 
 def log_probs_of(model, batch, allowed) -> torch.Tensor:
-    return compute_log_probs(model.eval(), batch, MicroBatching(len(batch)), 1.0, allowed)[0]
+    return compute_log_probs(model.eval(), batch, MicroBatching(len(batch)), allowed)[0]
 
 
 def with_training_signal(batch, old, ref, seed: int):
@@ -90,7 +91,7 @@ def lora_run(tmp_path_factory):
         r["batch0"], r["old0"] = batch0, workers.compute_old_log_probs(batch0)[0]
         r["ref0"] = workers.compute_ref_log_probs(batch0)
         r["base0"] = log_probs_of(base, batch0, allowed)
-        r["update_metrics"] = workers.update_actor(with_training_signal(batch0, r["old0"], r["ref0"], 0), settings).metrics
+        r["update_metrics"] = workers.update_actor(with_training_signal(batch0, r["old0"], r["ref0"], 0), settings, old_from_forward=False).metrics
         workers.sync_weights()
         # Step 1: the engine samples with the merged weights; the actor and reference score the samples.
         batch1 = workers.generate([dataset[2], dataset[3]], [2, 3], sampling)
@@ -101,7 +102,7 @@ def lora_run(tmp_path_factory):
         # A checkpoint, then one more update, then back to the checkpoint.
         r["checkpoint"] = tmp / "global_step_1"
         workers.save_checkpoint(str(r["checkpoint"]), model_only=False, hf_weights=True)
-        workers.update_actor(with_training_signal(batch1, r["old1"], r["ref1"], 1), settings)
+        workers.update_actor(with_training_signal(batch1, r["old1"], r["ref1"], 1), settings, old_from_forward=False)
         r["old1_moved"] = workers.compute_old_log_probs(batch1)[0]
         r["restored_optimizer"] = workers.load_checkpoint(str(r["checkpoint"]))
         r["old1_restored"] = workers.compute_old_log_probs(batch1)[0]

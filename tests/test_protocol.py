@@ -11,29 +11,46 @@ import dataclasses
 import pytest
 import torch
 
-from vlmrl.records import Batch
+from vlmrl.records import Batch, Media, Trajectory
 
 P, R = 3, 4  # prompt and response widths
+
+
+def make_trajectory(i: int) -> Trajectory:
+    """Row ``i``'s trajectory: every per-sample fact recognisable by ``i``."""
+    n = P + 1 + i % R
+    return Trajectory(
+        token_ids=[i * 100 + k for k in range(n)],
+        prompt_length=P,
+        loss_mask=[0] * P + [1] * (n - P),
+        position_ids=i * 1000 + torch.arange(3 * n).view(3, n),
+        group_id=i // 2,
+        sample_id=f"{i // 2}:{i % 2}",
+        temperature=1.0 + i / 10,
+        mm_inputs={"image_grid_thw": torch.tensor([[1, 2, 2 + i]])} if i % 2 else {},
+        media=[Media("image", 1, f"image {i}")] * (i % 3),
+        response_text=f"response {i}",
+        prompt_text=f"prompt {i}",
+        ground_truth=f"truth {i}",
+        data_source=f"source {i % 3}",
+        row_index=100 + i,
+        extra={"difficulty": i % 3, "id": f"row {i}"},
+    )
 
 
 def make_batch(b: int) -> Batch:
     """A batch of ``b`` rows where every field is filled and row ``i`` is recognisable by ``i``."""
     rows = torch.arange(b)
     return Batch(
+        trajectories=[make_trajectory(i) for i in range(b)],
         input_ids=rows[:, None] * 100 + torch.arange(P + R),
         attention_mask=(rows[:, None] + torch.arange(P + R)) % 2,
         position_ids=rows[:, None, None] * 1000 + torch.arange(3 * (P + R)).view(3, P + R),
         responses=rows[:, None] * 10 + torch.arange(R),
         response_mask=(torch.arange(R) <= rows[:, None] % R).long(),
         group_ids=rows // 2,
-        mm_inputs=[{"image_grid_thw": torch.tensor([[1, 2, 2 + i]])} if i % 2 else {} for i in range(b)],
-        response_texts=[f"response {i}" for i in range(b)],
-        prompt_texts=[f"prompt {i}" for i in range(b)],
-        ground_truths=[f"truth {i}" for i in range(b)],
-        data_sources=[f"source {i % 3}" for i in range(b)],
-        row_indices=[100 + i for i in range(b)],
-        images=[[f"image {i}"] * (i % 3) for i in range(b)],
-        extra_fields=[{"difficulty": i % 3, "id": f"row {i}"} for i in range(b)],
+        temperatures=1.0 + rows.float() / 10,
+        policy_versions=rows[:, None] + torch.arange(R) * 0,
         rollout_log_probs=-rows[:, None].float() - torch.arange(R) / 10,
         old_log_probs=-rows[:, None].float() - torch.arange(R) / 100,
         ref_log_probs=-rows[:, None].float() - torch.arange(R) / 1000,
@@ -45,6 +62,20 @@ def make_batch(b: int) -> Batch:
         token_level_rewards=rows[:, None].float() * torch.arange(R) / 2,
         returns=rows[:, None].float() / 9 + torch.arange(R),
     )
+
+
+# The per-sample facts a Batch reads from its trajectories; each must follow its row through select/concat.
+SAMPLE_FACTS = (
+    "sample_ids",
+    "mm_inputs",
+    "response_texts",
+    "prompt_texts",
+    "ground_truths",
+    "data_sources",
+    "row_indices",
+    "images",
+    "extra_fields",
+)
 
 
 def row(batch: Batch, i: int) -> dict:
@@ -60,6 +91,11 @@ def row(batch: Batch, i: int) -> dict:
             out[f.name] = {k: v[i] for k, v in value.items()}
         else:
             out[f.name] = value
+    out.pop("trajectories")  # compared through the facts read from them, below
+    for name in SAMPLE_FACTS:
+        out[name] = getattr(batch, name)[i]
+    out["token_ids"] = batch.trajectories[i].token_ids
+    out["trajectory_positions"] = batch.trajectories[i].position_ids.tolist()
     return out
 
 
@@ -129,12 +165,11 @@ def test_concat_keeps_an_optional_field_none_when_no_part_filled_it():
     assert joined.old_log_probs is not None and len(joined) == 5
 
 
-def test_select_and_concat_keep_an_unfilled_images_list_empty():
-    # `images` defaults to [] (no per-sample list); it must stay [] rather than fail.
+def test_select_and_concat_keep_rows_without_media_empty():
+    # Rows 0 and 3 have no media (i % 3 == 0): their image lists stay [] rather than borrowing a neighbour's.
     batch = make_batch(4)
-    batch.images = []
-    assert batch.select([2, 1]).images == []
-    assert Batch.concat(batch.split(2)).images == []
+    assert batch.select([3, 1, 0]).images == [[], ["image 1"], []]
+    assert Batch.concat(batch.split(2)).images == [[], ["image 1"], ["image 2"] * 2, []]
 
 
 def test_concat_of_a_field_filled_in_some_parts_only_fails_naming_it_when_first_part_is_empty():

@@ -171,7 +171,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     from vlmrl.config import load_config
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.records import PromptSample
-    from vlmrl.train.actor import merged_mm_inputs
+    from vlmrl.train.micro_batches import merged_mm_inputs
     from vlmrl.records.views import build_batch
     from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 

@@ -20,14 +20,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.train.actor import (
-    MicroBatching,
-    UpdateSettings,
-    compute_log_probs,
-    computed_tokens,
-    merged_mm_inputs,
-    update_policy,
-)
+from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.micro_batches import MicroBatching, computed_tokens, merged_mm_inputs
 from vlmrl.records.views import build_batch
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.packing import trim
@@ -84,7 +78,7 @@ def model_and_batch(tiny_assets):
         pad_token_id=processor.tokenizer.pad_token_id,
         model=model,
     )
-    log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), allowed)
     # Old and reference log-probs a little off the current ones, so ratios leave 1 and some clip.
     batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
     batch.ref_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
@@ -106,7 +100,6 @@ def update_settings(batch, micro_batch_size, loss_type, mode, padding_free=False
         use_kl_loss=True,
         kl_estimator=KLEstimator.low_var_kl,
         kl_coef=0.1,
-        temperature=1.0,
         max_token_len=max_token_len,
         padding_free=padding_free,
     )
@@ -151,8 +144,8 @@ def test_padding_free_log_probs_equal_the_padded_ones(model_and_batch):
     share = 1 - float(batch.attention_mask.sum()) / batch.attention_mask.numel()
     assert share > 0.2, share  # the padded layout really carries padding (prompt and response)
     mask = batch.response_mask.bool()
-    padded, padded_entropy = compute_log_probs(model, batch, MicroBatching(4), 1.0, allowed)
-    packed, packed_entropy = compute_log_probs(model, batch, MicroBatching(4, padding_free=True), 1.0, allowed)
+    padded, padded_entropy = compute_log_probs(model, batch, MicroBatching(4), allowed)
+    packed, packed_entropy = compute_log_probs(model, batch, MicroBatching(4, padding_free=True), allowed)
     torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(packed_entropy[mask], padded_entropy[mask], rtol=0, atol=1e-5)
     assert (packed[~mask] == 0).all()
@@ -198,7 +191,7 @@ def test_micro_batches_skip_the_columns_every_row_pads(model_and_batch):
         assert int(trimmed.attention_mask.sum()) == int(mb.attention_mask.sum())  # no real token is cut
     # The log-probs of trimmed micro-batches are the untrimmed full batch's: one forward over the whole padded
     # layout, by hand, as the actor ran it before trimming.
-    trimmed_lp, _ = compute_log_probs(model, batch, MicroBatching(2), 1.0, allowed)
+    trimmed_lp, _ = compute_log_probs(model, batch, MicroBatching(2), allowed)
     with torch.no_grad():
         out = model(
             input_ids=batch.input_ids,
@@ -219,18 +212,18 @@ def test_an_on_policy_update_takes_its_old_log_probs_from_its_own_forward(model_
     gradient is the one the update gets from old log-probs computed by a separate pass first."""
     model, batch, allowed = model_and_batch
     with_pass = batch.select(list(range(len(batch))))
-    with_pass.old_log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    with_pass.old_log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), allowed)
     without = batch.select(list(range(len(batch))))
     without.old_log_probs = None
     want, want_metrics = gradients(model, with_pass, allowed, 2, PolicyLossType.default, LossAvgMode.token_mean)
     settings = update_settings(batch, 2, PolicyLossType.default, LossAvgMode.token_mean)
     optimizer = RecordingOptimizer(model)
-    update = update_policy(model, optimizer, without, settings, allowed)
+    update = update_policy(model, optimizer, without, settings, allowed, old_from_forward=True)
     assert_same_gradients(model, optimizer.grads, want)
     mask = batch.response_mask.bool()
     # The returned old log-probs and entropy are the pass's.
     torch.testing.assert_close(update.log_probs[mask], with_pass.old_log_probs[mask], rtol=0, atol=1e-5)
-    _, entropy = compute_log_probs(model, batch, MicroBatching(8), 1.0, allowed)
+    _, entropy = compute_log_probs(model, batch, MicroBatching(8), allowed)
     torch.testing.assert_close(update.entropy[mask], entropy[mask], rtol=0, atol=1e-5)
     assert update.metrics["actor/pg_clipfrac_higher"] == update.metrics["actor/pg_clipfrac_lower"] == 0
     assert update.metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
@@ -238,7 +231,7 @@ def test_an_on_policy_update_takes_its_old_log_probs_from_its_own_forward(model_
     # More than one update per batch needs the pass: the second epoch's old policy is not the current one.
     two_epochs = dataclasses.replace(settings, ppo_epochs=2)
     with pytest.raises(RuntimeError, match="old_log_prob_pass=always"):
-        update_policy(model, RecordingOptimizer(model), without, two_epochs, allowed)
+        update_policy(model, RecordingOptimizer(model), without, two_epochs, allowed, old_from_forward=True)
 
 
 def test_the_critic_values_and_gradients_are_the_same_padded_packed_or_budgeted(tiny_assets, model_and_batch):

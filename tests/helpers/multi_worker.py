@@ -25,7 +25,8 @@ from vlmrl.algos import LossAvgMode
 from vlmrl.driver.loop import RayPPOTrainer
 from vlmrl.driver.runner import _dataset
 from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
-from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.records.views import build_batch
 from vlmrl.rollout.vllm_engine import Generation, sampling_mask
 
@@ -63,7 +64,7 @@ def check_workers_match_one_process(config, plan, workers) -> dict[str, float]:
 
     # Log-probs: the balanced shards come back in the batch's order.
     mask = batch.response_mask.bool()
-    local, _ = compute_log_probs(model, batch, MicroBatching(len(batch)), 1.0, allowed)
+    local, _ = compute_log_probs(model, batch, MicroBatching(len(batch)), allowed)
     remote, _ = workers.compute_old_log_probs(batch)
     torch.testing.assert_close(remote[mask], local[mask], rtol=0, atol=1e-5)
 
@@ -78,7 +79,7 @@ def check_workers_match_one_process(config, plan, workers) -> dict[str, float]:
         max_token_len=None,
         loss_params=dataclasses.replace(settings.loss_params, loss_avg_mode=LossAvgMode.seq_mean_token_mean),
     )
-    remote_metrics = workers.update_actor(batch, settings).metrics
+    remote_metrics = workers.update_actor(batch, settings, old_from_forward=False).metrics
     optim = config.worker.actor.optim
     adamw = torch.optim.AdamW(
         model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay

@@ -25,7 +25,7 @@ from vlmrl.loggers.tracking import Tracker
 from vlmrl.driver.validation import Validator
 from vlmrl.train.actor import UpdateSettings
 from vlmrl.train.critic import CriticSettings
-from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.rollout.engine import Sampling
 from vlmrl.workers.group import WorkerGroup
 
 
@@ -64,11 +64,12 @@ class RayPPOTrainer:
         """Training prompt batches drawn so far; more than the steps when online filtering draws extra ones."""
         self.prompt_stream = None
         rollout = config.worker.rollout
-        self.train_sampling = SamplingOverrides(
+        self.train_sampling = Sampling(
             n=rollout.n,
             temperature=rollout.temperature,
             top_p=rollout.top_p,
             top_k=rollout.top_k,
+            max_tokens=config.data.max_response_length,
             want_log_probs=rollout.calculate_log_probs,
             ignore_eos=rollout.ignore_eos,
         )
@@ -173,7 +174,7 @@ class RayPPOTrainer:
                         critic_metrics = self.workers.update_critic(batch, self.critic_settings)
                 if step > self.config.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        update = self.workers.update_actor(batch, self.actor_settings)
+                        update = self.workers.update_actor(batch, self.actor_settings, old_from_update)
                     actor_metrics = update.metrics
                     if old_from_update:
                         batch.old_log_probs, entropy = update.log_probs, update.entropy

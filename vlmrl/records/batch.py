@@ -1,10 +1,12 @@
-"""The records that travel between the stages of a step, with every field named here.
+"""A step's batch: the record the stages of a step pass on, with every field named here.
 
-``PromptSample`` is what the dataset yields for one row. ``Batch`` is a step's
-worth of rollouts: the rollout fills the token fields, the reward manager the
-scores, the workers the log-probs, the driver the advantages. Fields are
-optional until their stage runs, and reading one that has not been filled
-fails with its name rather than with a ``KeyError`` somewhere else.
+``Batch`` is a step's
+trajectories (``vlmrl.records.trajectory``) with their padded view: the
+rollout fills the token fields, the reward stage the scores, the workers the
+log-probs, the driver the advantages; each stage's result is assigned by the
+step loop, in one visible line. Fields are optional until their stage runs,
+and reading one that has not been filled fails with its name rather than
+with a ``KeyError`` somewhere else.
 """
 
 from __future__ import annotations
@@ -15,77 +17,37 @@ from typing import Any
 
 import torch
 
-
-@dataclass
-class PromptSample:
-    """One dataset row, ready for both the rollout and the actor."""
-
-    index: int
-    """Row index in its dataset."""
-    raw_prompt_ids: list[int]
-    """Chat-templated prompt with one placeholder token per image or video: vLLM expands these itself."""
-    input_ids: list[int]
-    """The same prompt with each placeholder expanded to its patch tokens: what the actor sees."""
-    images: list[Any]
-    """The row's images as PIL images, already resized to the processor's grid."""
-    mm_inputs: dict[str, torch.Tensor]
-    """Processor outputs for the actor (pixel_values, image_grid_thw, pixel_values_videos,
-    video_grid_thw), only the keys of the media the row has; empty for a text-only row."""
-    ground_truth: str
-    data_source: str
-    prompt_text: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    """The row's other columns (not prompt, answer, images or videos), passed to the reward function."""
-    videos: list[Any] = field(default_factory=list)
-    """The row's videos (``vlmrl.data.media.Video``: sampled frames on the processor's grid)."""
-    position_ids: torch.Tensor | None = None
-    """(3, len(input_ids)) rotary positions (temporal, height, width) of the expanded prompt."""
-    uid: str = ""
-    """Stable id of the row: "FILE:ROW", its source and its index there."""
-
-    @property
-    def attention_mask(self) -> list[int]:
-        """All ones: a sample is unpadded; the rollout pads batches."""
-        return [1] * len(self.input_ids)
-
-    @property
-    def multi_modal_data(self) -> dict[str, list]:
-        """The media as vLLM's ``multi_modal_data`` wants them; empty for a text-only row."""
-        data: dict[str, list] = {}
-        if self.images:
-            data["image"] = list(self.images)
-        if self.videos:
-            data["video"] = [video.for_vllm() for video in self.videos]
-        return data
+from vlmrl.records.trajectory import Trajectory
 
 
 @dataclass
 class Batch:
-    """A step's rollouts; tensors are batch-first with B = prompts x n rows."""
+    """A step's trajectories and their padded view; tensors are batch-first with B = prompts x n rows.
 
+    The per-sample facts (texts, ground truths, media, pixels) live in
+    ``trajectories``; the tensors are the padded view made from them by
+    ``vlmrl.records.views.to_batch`` (a left-padded prompt followed by the
+    right-padded tokens after it), and the per-token fields the later stages
+    add are in that view's response coordinates ``(B, R)``.
+    """
+
+    trajectories: list[Trajectory]
     input_ids: torch.Tensor
-    """(B, P + R) left-padded prompt followed by right-padded response."""
+    """(B, P + R) left-padded prompt followed by the right-padded tokens after it."""
     attention_mask: torch.Tensor
     """(B, P + R) 1 on real tokens."""
     position_ids: torch.Tensor
     """(B, 3, P + R) multimodal rotary positions (temporal, height, width)."""
     responses: torch.Tensor
-    """(B, R) response token ids, right-padded."""
+    """(B, R) the tokens after the prompt, right-padded."""
     response_mask: torch.Tensor
-    """(B, R) 1 on response tokens (EOS included), 0 on padding."""
+    """(B, R) the loss mask: 1 on sampled, trained tokens (EOS included), 0 on context and padding."""
     group_ids: torch.Tensor
     """(B,) the prompt each sample answers; GRPO groups by it, never by position."""
-    mm_inputs: list[dict[str, torch.Tensor]]
-    """Per-sample processor outputs (empty dict for text-only samples)."""
-    response_texts: list[str]
-    prompt_texts: list[str]
-    ground_truths: list[str]
-    data_sources: list[str]
-    row_indices: list[int]
-    """Each sample's row in its dataset."""
-    images: list[list[Any]] = field(default_factory=list)
-    extra_fields: list[dict[str, Any]] = field(default_factory=list)
-    """Each sample's row's extra columns (``PromptSample.extra``), for the reward function."""
+    temperatures: torch.Tensor
+    """(B,) the sampling temperature of each row; its log-probs are computed at it."""
+    policy_versions: torch.Tensor
+    """(B, R) the policy version that sampled each token, -1 on context and padding."""
     rollout_log_probs: torch.Tensor | None = None
     """(B, R) log-probs vLLM assigned to the sampled tokens."""
     old_log_probs: torch.Tensor | None = None
@@ -93,7 +55,7 @@ class Batch:
     ref_log_probs: torch.Tensor | None = None
     """(B, R) frozen reference model log-probs."""
     token_level_scores: torch.Tensor | None = None
-    """(B, R) the scalar reward placed on the last response token."""
+    """(B, R) the scalar reward placed on the last trained token."""
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)
     """Per-sample reward sub-scores by name, each of length B."""
     reward_baselines: torch.Tensor | None = None
@@ -112,7 +74,45 @@ class Batch:
 
     @property
     def prompt_length(self) -> int:
+        """Width of the view's prompt part (P)."""
         return self.input_ids.shape[1] - self.responses.shape[1]
+
+    # Per-sample facts, read from the trajectories.
+    @property
+    def sample_ids(self) -> list[str]:
+        return [t.sample_id for t in self.trajectories]
+
+    @property
+    def mm_inputs(self) -> list[dict[str, torch.Tensor]]:
+        return [t.mm_inputs for t in self.trajectories]
+
+    @property
+    def response_texts(self) -> list[str]:
+        return [t.response_text for t in self.trajectories]
+
+    @property
+    def prompt_texts(self) -> list[str]:
+        return [t.prompt_text for t in self.trajectories]
+
+    @property
+    def ground_truths(self) -> list[str]:
+        return [t.ground_truth for t in self.trajectories]
+
+    @property
+    def data_sources(self) -> list[str]:
+        return [t.data_source for t in self.trajectories]
+
+    @property
+    def row_indices(self) -> list[int]:
+        return [t.row_index for t in self.trajectories]
+
+    @property
+    def images(self) -> list[list[Any]]:
+        return [t.images for t in self.trajectories]
+
+    @property
+    def extra_fields(self) -> list[dict[str, Any]]:
+        return [t.extra for t in self.trajectories]
 
     def require(self, *names: str) -> None:
         missing = [n for n in names if getattr(self, n) is None]
@@ -129,7 +129,7 @@ class Batch:
             if isinstance(value, torch.Tensor):
                 out[f.name] = value.index_select(0, idx)
             elif isinstance(value, list):
-                out[f.name] = [value[i] for i in rows] if value else []
+                out[f.name] = [value[i] for i in rows]
             elif isinstance(value, dict):
                 out[f.name] = {k: [v[i] for i in rows] for k, v in value.items()}
             else:

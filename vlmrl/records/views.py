@@ -1,107 +1,92 @@
-"""Turns sampled responses into a padded ``Batch`` the actor can run.
+"""The padded view of a list of trajectories: the one place that lays trajectories out as tensors.
 
-Prompts are left-padded to ``max_prompt_length`` and responses right-padded to
-``max_response_length``, so batches from different workers have the same
-width and concatenate. Positions are Qwen-VL's 3-D rotary ids: the prompt's come
-from the dataset (``PromptSample.position_ids``, the positions vLLM uses too),
-and the response continues one past the prompt's largest position, on all
-three axes, as text does. A sample without positions (built by hand) gets them
-from the model's own ``get_rope_index``, which agrees for images.
+Each row is the trajectory's prompt, left-padded to ``max_prompt_length``,
+then the tokens after it, right-padded to ``max_response_length``, so views
+made on different workers have the same width and concatenate. The loss mask
+of the tokens after the prompt becomes ``response_mask``; per-token log-probs
+and policy versions land in the same ``(B, R)`` coordinates. Positions are the
+trajectory's own; the padding after a row's last token continues from its
+largest position on all three axes (padding is masked, so these only keep the
+numbering the model has always seen). The packed view for padding-free passes
+is made from this one (``vlmrl.train.packing``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from vlmrl.records import Batch
-from vlmrl.rollout.vllm_engine import Generation
+from vlmrl.records.batch import Batch
+from vlmrl.records.trajectory import Trajectory
 
 
-def _modality_types(input_ids: torch.Tensor, config) -> torch.Tensor:
-    """(B, S) int: 0 text, 1 image token, 2 video token, as get_rope_index wants."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types[input_ids == config.image_token_id] = 1
-    types[input_ids == config.video_token_id] = 2
-    return types
-
-
-def rope_positions(model: torch.nn.Module, input_ids, attention_mask, mm_inputs: list[dict]) -> torch.Tensor:
-    """(B, 3, S) rotary positions for a left/right padded batch."""
-    grids = [mm["image_grid_thw"] for mm in mm_inputs if mm]
-    image_grid_thw = torch.cat(grids) if grids else None
-    position_ids, _ = model.model.get_rope_index(
-        input_ids,
-        mm_token_type_ids=_modality_types(input_ids, model.config),
-        image_grid_thw=image_grid_thw,
-        attention_mask=attention_mask,
-    )
-    return position_ids.transpose(0, 1).contiguous()  # (3, B, S) -> (B, 3, S)
-
-
-def padded_positions(prompt_positions: torch.Tensor, max_prompt_length: int, max_response_length: int) -> torch.Tensor:
-    """(3, P + R) positions of a left-padded prompt of positions ``prompt_positions`` (3, p) and its response.
-
-    Padding gets 0, as ``get_rope_index`` gives it; the response's tokens are text,
-    numbered on from the prompt's largest position.
-    """
-    out = torch.zeros((3, max_prompt_length + max_response_length), dtype=torch.long)
-    p = prompt_positions.shape[1]
-    out[:, max_prompt_length - p : max_prompt_length] = prompt_positions
-    out[:, max_prompt_length:] = int(prompt_positions.max()) + 1 + torch.arange(max_response_length)
-    return out
-
-
-def build_batch(
-    generations: list[Generation],
+def to_batch(
+    trajectories: Sequence[Trajectory],
     *,
     max_prompt_length: int,
     max_response_length: int,
     pad_token_id: int,
-    model: torch.nn.Module,
 ) -> Batch:
-    n = len(generations)
-    prompts = torch.full((n, max_prompt_length), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
-    responses = torch.full((n, max_response_length), pad_token_id, dtype=torch.long)
+    n = len(trajectories)
+    width = max_prompt_length + max_response_length
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    position_ids = torch.zeros((n, 3, width), dtype=torch.long)
     response_mask = torch.zeros((n, max_response_length), dtype=torch.long)
-    want_log_probs = all(g.log_probs is not None for g in generations)
+    versions = torch.full((n, max_response_length), -1, dtype=torch.long)
+    want_log_probs = n > 0 and all(t.log_probs is not None for t in trajectories)
     rollout_log_probs = torch.zeros((n, max_response_length)) if want_log_probs else None
-    for i, g in enumerate(generations):
-        p = g.prompt.input_ids
-        if len(p) > max_prompt_length:
+    for i, t in enumerate(trajectories):
+        p = t.prompt_length
+        if p > max_prompt_length:
             raise ValueError(
-                f"row {g.prompt.index}: prompt of {len(p)} tokens exceeds data.max_prompt_length={max_prompt_length}"
+                f"row {t.row_index}: prompt of {p} tokens exceeds data.max_prompt_length={max_prompt_length}"
             )
-        prompts[i, max_prompt_length - len(p) :] = torch.tensor(p)
-        prompt_mask[i, max_prompt_length - len(p) :] = 1
-        r = g.token_ids[:max_response_length]
-        responses[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        response_mask[i, : len(r)] = 1
+        tokens = torch.tensor(t.token_ids, dtype=torch.long)
+        r = min(len(t.token_ids) - p, max_response_length)
+        lo, hi = max_prompt_length - p, max_prompt_length + r
+        input_ids[i, lo:hi] = tokens[: p + r]
+        attention_mask[i, lo:hi] = 1
+        position_ids[i, :, lo:hi] = t.position_ids[:, : p + r]
+        # Past the last real token the positions count on from the largest one so far, as text would.
+        last = int(t.position_ids[:, : p + r].max()) if p + r else -1
+        position_ids[i, :, hi:] = last + 1 + torch.arange(width - hi)
+        response_mask[i, :r] = torch.tensor(t.loss_mask[p : p + r], dtype=torch.long)
+        if t.versions:
+            versions[i, :r] = torch.tensor(t.versions[p : p + r], dtype=torch.long)
         if rollout_log_probs is not None:
-            rollout_log_probs[i, : len(r)] = torch.tensor(g.log_probs[: len(r)])
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    mm_inputs = [g.prompt.mm_inputs for g in generations]
-    if all(g.prompt.position_ids is not None for g in generations):
-        position_ids = torch.stack(
-            [padded_positions(g.prompt.position_ids, max_prompt_length, max_response_length) for g in generations]
-        )
-    else:
-        position_ids = rope_positions(model, input_ids, attention_mask, mm_inputs)
+            rollout_log_probs[i, :r] = torch.tensor(t.log_probs[p : p + r])
     return Batch(
+        trajectories=list(trajectories),
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        responses=responses,
+        responses=input_ids[:, max_prompt_length:].clone(),
         response_mask=response_mask,
-        group_ids=torch.tensor([g.group_id for g in generations], dtype=torch.long),
-        mm_inputs=mm_inputs,
-        response_texts=[g.text for g in generations],
-        prompt_texts=[g.prompt.prompt_text for g in generations],
-        ground_truths=[g.prompt.ground_truth for g in generations],
-        data_sources=[g.prompt.data_source for g in generations],
-        row_indices=[g.prompt.index for g in generations],
-        images=[g.prompt.images for g in generations],
-        extra_fields=[g.prompt.extra for g in generations],
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        temperatures=torch.tensor([t.temperature for t in trajectories], dtype=torch.float32),
+        policy_versions=versions,
         rollout_log_probs=rollout_log_probs,
+    )
+
+
+def build_batch(generations, *, max_prompt_length: int, max_response_length: int, pad_token_id: int, model=None):
+    """TEMPORARY (removed when the rollout worker makes trajectories itself): single-turn generations
+    (``prompt``, ``group_id``, ``token_ids``, ``text``, ``log_probs``, optional ``temperature``) as a Batch."""
+    seen: dict[int, int] = {}
+    trajectories = []
+    for g in generations:
+        index = seen.get(g.group_id, 0)
+        seen[g.group_id] = index + 1
+        trajectories.append(
+            Trajectory.single_turn(
+                g.prompt, g.group_id, index, g.token_ids, g.text, getattr(g, "temperature", 1.0), g.log_probs
+            )
+        )
+    return to_batch(
+        trajectories,
+        max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length,
+        pad_token_id=pad_token_id,
     )

@@ -14,7 +14,6 @@ row pads, or token-budget micro-batches, or packed rows without padding.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,8 @@ from vlmrl.records import Batch
 from vlmrl import algos
 from vlmrl.algos import LossAvgMode
 from vlmrl.train import packing
-from vlmrl.train.actor import MicroBatching, clip_and_step, global_weight, merged_mm_inputs
+from vlmrl.train.micro_batches import MicroBatching, merged_mm_inputs
+from vlmrl.train.update_loop import run_epochs
 
 
 class ValueModel(torch.nn.Module):
@@ -117,32 +117,39 @@ class CriticSettings:
 def update_critic(
     model: ValueModel, optimizer: torch.optim.Optimizer, batch: Batch, settings: CriticSettings
 ) -> dict[str, float]:
-    """Clipped value-loss epochs towards ``batch.returns``, with exact gradient accumulation as the actor's."""
+    """Clipped value-loss epochs towards ``batch.returns``, in the loop the actor's update uses."""
     batch.require("values", "returns")
     mode = settings.loss_avg_mode
-    sums: dict[str, list[float]] = defaultdict(list)
-    model.train()
-    for _ in range(settings.ppo_epochs):
-        for mini in batch.split(settings.samples_per_update):
-            total, world = global_weight(mini.response_mask, mode)
-            optimizer.zero_grad(set_to_none=True)
-            for rows in settings.batching.groups(mini):
-                mb = mini.select(rows)
-                values = forward_values(model, mb, settings.padding_free)
-                device = values.device
-                mask = mb.response_mask.to(device)
-                loss, metrics = algos.value_loss_clipped(
-                    values,
-                    mb.returns.to(device),
-                    mb.values.to(device),
-                    mask,
-                    settings.cliprange_value,
-                    mode,
-                    settings.norm_len,
-                )
-                (loss * (world * algos.aggregation_weight(mask, mode) / total.to(device))).backward()
-                for key, value in metrics.items():
-                    sums[f"critic/{key}"].append(float(value))
-            grad_norm, _ = clip_and_step(model, optimizer, settings.max_grad_norm)
-            sums["critic/grad_norm"].append(grad_norm)
-    return {key: sum(values) / len(values) for key, values in sums.items()}
+
+    def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        values = forward_values(model, mb, settings.padding_free)
+        device = values.device
+        mask = mb.response_mask.to(device)
+        loss, metrics = algos.value_loss_clipped(
+            values,
+            mb.returns.to(device),
+            mb.values.to(device),
+            mask,
+            settings.cliprange_value,
+            mode,
+            settings.norm_len,
+        )
+        for key, value in metrics.items():
+            sums[f"critic/{key}"].append(float(value))
+        return loss, mask
+
+    sums, skipped = run_epochs(
+        model,
+        optimizer,
+        batch,
+        epochs=settings.ppo_epochs,
+        samples_per_update=settings.samples_per_update,
+        batching=settings.batching,
+        mode=mode,
+        max_grad_norm=settings.max_grad_norm,
+        micro_loss=micro_loss,
+        prefix="critic",
+    )
+    metrics = {key: sum(values) / len(values) for key, values in sums.items()}
+    metrics["critic/skipped_steps"] = float(skipped)
+    return metrics

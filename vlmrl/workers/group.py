@@ -33,7 +33,7 @@ from vlmrl.plan import Plan
 from vlmrl.records import Batch, PromptSample
 from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
-from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.rollout.engine import Sampling
 
 if TYPE_CHECKING:
     from vlmrl.train.actor import UpdateSettings
@@ -177,7 +177,7 @@ class WorkerGroup:
         out[order] = torch.cat(results)
         return out
 
-    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
+    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> Batch:
         prompt_parts, id_parts = _chunks(prompts, self.world_size), _chunks(group_ids, self.world_size)
         t0 = time.perf_counter()
         refs = [w.generate.remote(p, g, sampling) for w, p, g in zip(self.workers, prompt_parts, id_parts)]
@@ -202,11 +202,11 @@ class WorkerGroup:
         shards, parts = self._scatter_parts(batch)
         return self._gather(ray.get([w.compute_values.remote(b) for w, b in zip(self.workers, shards)]), parts)
 
-    def update_actor(self, batch: Batch, settings: UpdateSettings) -> ActorUpdate:
+    def update_actor(self, batch: Batch, settings: UpdateSettings, old_from_forward: bool) -> ActorUpdate:
         """The workers' metrics (means; peaks as the largest worker's), plus the batch's balance over them;
         for an on-policy update, also the log-probs and entropy of its forward, in the batch's row order."""
         shards, parts = self._scatter_parts(batch)
-        results = ray.get([w.update_actor.remote(b, settings) for w, b in zip(self.workers, shards)])
+        results = ray.get([w.update_actor.remote(b, settings, old_from_forward) for w, b in zip(self.workers, shards)])
         metrics = {**_join_metrics([r.metrics for r in results]), **self.balance_metrics(batch)}
         if results[0].log_probs is None:
             return ActorUpdate(metrics)

@@ -26,14 +26,17 @@ from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan, weights_dtype
 from vlmrl.records import Batch, PromptSample
 from vlmrl.train import actor as actor_passes
+from vlmrl.train.micro_batches import MicroBatching, TokenCount
 from vlmrl.train import checkpoint as ckpt
 from vlmrl.train import critic as critic_passes
 from vlmrl.train import lora as lora_adapters
 from vlmrl.records.views import build_batch
 from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
-from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask
-from vlmrl.weight_sync.gather import FSDPVLLMShardingManager
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.vllm_engine import Generation, VLLMEngine
+from vlmrl.weight_sync import EngineSink, WeightSync
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -145,7 +148,7 @@ class FSDPWorker:
 
         vocab_size = self.actor.config.get_text_config().vocab_size
         self.allowed_tokens = sampling_mask(self.tokenizer, vocab_size)
-        self.rollout = VLLMRollout(
+        self.engine = VLLMEngine(
             model_path,
             dtype=rollout_cfg.dtype.value,
             seed=rollout_cfg.seed + rank,
@@ -156,31 +159,44 @@ class FSDPWorker:
             cpu_kvcache_space_gb=rollout_cfg.cpu_kvcache_space_gb,
             min_pixels=config.data.min_pixels,
             max_pixels=config.data.max_pixels,
-            max_response_length=config.data.max_response_length,
             allowed_tokens=self.allowed_tokens,
             free_cache_engine=rollout_cfg.free_cache_engine,
         )
-        self.experience_batching = actor_passes.MicroBatching(
+        self.experience_batching = MicroBatching(
             actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
         )
-        self.experience_tokens = actor_passes.TokenCount()
+        self.experience_tokens = TokenCount()
         """Tokens of the log-prob passes since the last update, for its padding metric."""
-        self.sharding_manager = FSDPVLLMShardingManager(
+        self.weight_sync = WeightSync(
             self.actor,
-            self.rollout,
+            EngineSink(self.engine),
             _dtype(rollout_cfg.dtype.value),
             bucket_bytes=rollout_cfg.resync_bucket_mb << 20,
             transform=self._hf_weights if self.lora else None,
         )
+        self.policy_version = 0
+        """Updates synced into the engine so far: the version of the weights it samples with."""
 
     # ---------------------------------------------------------------- rollout
 
-    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides) -> Batch:
+    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> Batch:
         on_gpu = self.plan.device == "cuda"
         if on_gpu:
             self.gpu_peak_bytes = max(self.gpu_peak_bytes, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
-        generations = self.rollout.generate(prompts, group_ids, sampling)
+        t_requests = time.perf_counter()
+        requests = seeded_requests(prompts, group_ids, sampling, self.engine.seed)
+        t_engine = time.perf_counter()
+        outputs = self.engine.generate(requests)
+        t_outputs = time.perf_counter()
+        generations = [
+            Generation(prompt, group_id, s.token_ids, s.text, s.log_probs)
+            for prompt, group_id, output in zip(prompts, group_ids, outputs)
+            for s in output.samples
+        ]
+        timings = dict(self.engine.last_timings)
+        timings["requests"] += t_engine - t_requests
+        timings["outputs"] += time.perf_counter() - t_outputs
         if on_gpu:  # vLLM allocates through torch in this process (sleep mode: a torch memory pool); not checked on a GPU
             self.rollout_gpu_peak_bytes = max(self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
         t0 = time.perf_counter()
@@ -195,7 +211,7 @@ class FSDPWorker:
             # The pieces of this call, and what pickling the batch back to the driver costs.
             built = time.perf_counter()
             size = len(pickle.dumps(batch, protocol=5))
-            timings = {**self.rollout.last_timings, "build_batch": built - t0, "pickle": time.perf_counter() - built}
+            timings |= {"build_batch": built - t0, "pickle": time.perf_counter() - built}
             print(f"VLMRL_PROFILE_ROLLOUT {json.dumps({**timings, 'pickle_mib': size / 2**20})}", flush=True)
         return batch
 
@@ -209,7 +225,6 @@ class FSDPWorker:
             self.actor,
             batch,
             self.experience_batching,
-            self.config.worker.rollout.temperature,
             self.allowed_tokens,
             self.experience_tokens,
         )
@@ -221,8 +236,8 @@ class FSDPWorker:
             self.actor.eval()
             with lora_adapters.adapters_disabled(self.actor):
                 log_probs, _ = actor_passes.compute_log_probs(
-                    self.actor, batch, self.experience_batching, self.config.worker.rollout.temperature,
-                    self.allowed_tokens, self.experience_tokens,
+                    self.actor, batch, self.experience_batching, self.allowed_tokens,
+                    self.experience_tokens, with_entropy=False,
                 )  # fmt: skip
             return log_probs
         if self.ref is None:
@@ -231,17 +246,21 @@ class FSDPWorker:
             self.ref,
             batch,
             self.experience_batching,
-            self.config.worker.rollout.temperature,
             self.allowed_tokens,
             self.experience_tokens,
+            with_entropy=False,
         )
         return log_probs
 
     # ---------------------------------------------------------------- update
 
     @uses("actor", "actor_optimizer")
-    def update_actor(self, batch: Batch, settings: actor_passes.UpdateSettings) -> actor_passes.ActorUpdate:
-        update = actor_passes.update_policy(self.actor, self.optimizer, batch, settings, self.allowed_tokens)
+    def update_actor(
+        self, batch: Batch, settings: actor_passes.UpdateSettings, old_from_forward: bool = False
+    ) -> actor_passes.ActorUpdate:
+        update = actor_passes.update_policy(
+            self.actor, self.optimizer, batch, settings, self.allowed_tokens, old_from_forward
+        )
         metrics = update.metrics
         metrics.update(_peak_memory(self.plan.device))  # host: the process's peak so far, rollouts included
         if self.plan.device == "cuda":
@@ -251,7 +270,7 @@ class FSDPWorker:
             self.rollout_gpu_peak_bytes = 0
         if self.experience_tokens.computed:
             metrics["actor/padding_share_logprob"] = self.experience_tokens.padding_share
-        self.experience_tokens = actor_passes.TokenCount()
+        self.experience_tokens = TokenCount()
         return update
 
     @uses("actor")
@@ -275,7 +294,7 @@ class FSDPWorker:
         if self.critic is None:
             raise RuntimeError("values requested but the run has no critic (only adv_estimator=gae trains one)")
         critic = self.config.worker.critic
-        batching = actor_passes.MicroBatching(
+        batching = MicroBatching(
             critic.micro_batch_size_per_device_for_experience,
             self.plan.critic_experience_token_budget,
             critic.padding_free,
@@ -291,7 +310,9 @@ class FSDPWorker:
     @uses("actor")
     def sync_weights(self) -> dict[str, float]:
         """Collective: stream the actor's weights into this worker's engine; the resync's seconds and largest bucket."""
-        return self.sharding_manager.sync()
+        metrics = self.weight_sync.sync(self.policy_version + 1)
+        self.policy_version += 1
+        return metrics
 
     # ----------------------------------------------------------- checkpoints
 

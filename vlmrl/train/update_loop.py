@@ -1,0 +1,84 @@
+"""The update loop the actor and the critic share: epochs over mini-batches, exact gradient accumulation.
+
+Each micro-batch's loss is weighted by its share of the global mini-batch's
+aggregation weight (tokens for token_mean, sequences otherwise), so
+(micro-batches, accumulation) gives the gradient of (full batch, none), on one
+worker or many. A non-finite gradient norm skips that optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from vlmrl import algos
+from vlmrl.algos import LossAvgMode
+from vlmrl.records import Batch
+from vlmrl.train.micro_batches import MicroBatching, all_reduce
+
+MicroLoss = Callable[[Batch, list[int], dict[str, list[float]]], tuple[torch.Tensor, torch.Tensor]]
+"""``(micro-batch, its rows in the mini-batch, metric lists) -> (loss, loss mask)``; appends its metrics."""
+
+
+def global_weight(mask: torch.Tensor, mode: LossAvgMode) -> tuple[torch.Tensor, int]:
+    """``(sum of aggregation weights over every worker's mini-batch, world size)``.
+
+    A micro-batch's loss scaled by ``world * weight(micro) / global`` makes the
+    accumulated, FSDP-averaged gradient equal the gradient of the loss
+    aggregated over the whole global mini-batch, ragged lengths included.
+    """
+    weight = algos.aggregation_weight(mask, mode)
+    if dist.is_available() and dist.is_initialized():
+        return all_reduce(weight, dist.ReduceOp.SUM), dist.get_world_size()
+    return weight, 1
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the gradients to ``max_grad_norm`` and step; a non-finite norm skips the step. Returns (norm, stepped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        return float(grad_norm), True
+    # A non-finite gradient would poison the weights; skip the step and say so.
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), False
+
+
+def run_epochs(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    *,
+    epochs: int,
+    samples_per_update: int,
+    batching: MicroBatching,
+    mode: LossAvgMode,
+    max_grad_norm: float,
+    micro_loss: MicroLoss,
+    prefix: str,
+) -> tuple[dict[str, list[float]], int]:
+    """``epochs`` passes over ``batch`` in mini-batches of ``samples_per_update``, one optimizer step each.
+
+    Returns the per-micro-batch metric lists (``<prefix>/grad_norm`` per
+    optimizer step among them) and the number of skipped steps.
+    """
+    sums: dict[str, list[float]] = defaultdict(list)
+    skipped = 0
+    model.train()
+    for _ in range(epochs):
+        for mini in batch.split(samples_per_update):
+            total, world = global_weight(mini.response_mask, mode)
+            optimizer.zero_grad(set_to_none=True)
+            for rows in batching.groups(mini):
+                loss, mask = micro_loss(mini.select(rows), rows, sums)
+                device = loss.device
+                (loss * (world * algos.aggregation_weight(mask, mode) / total.to(device))).backward()
+            grad_norm, stepped = clip_and_step(model, optimizer, max_grad_norm)
+            skipped += not stepped
+            sums[f"{prefix}/grad_norm"].append(grad_norm)
+    return sums, skipped
