@@ -3,7 +3,7 @@
 Starting ``python -m vlmrl.main`` costs about half a minute (Ray, the FSDP
 worker, the vLLM engine), so the variants share one Ray cluster, one reward
 actor and one worker group, built with every piece any variant needs (a
-reference model and a critic). Each variant is its own ``RayPPOTrainer`` over
+reference model and a critic). Each variant is its own ``TrainingLoop`` over
 those workers, as the Runner builds it, for a couple of steps: the trainer asks
 the estimator what it needs (greedy baselines, values) and sends the loss
 settings with each update, so nothing on the workers changes between variants.
@@ -24,7 +24,7 @@ from vlmrl.config import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.checkpoint import CheckpointManager
-from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.loop import TrainingLoop
 from vlmrl.driver.runner import _dataset
 from vlmrl.driver.sampler import OnlineFilteringError
 from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
@@ -117,14 +117,14 @@ def shared(tiny_assets, tmp_path_factory):
 
 
 def train(shared, name: str, overrides: list[str]) -> list[dict]:
-    """A RayPPOTrainer for this variant over the shared workers, STEPS steps; its metrics per step."""
+    """A TrainingLoop for this variant over the shared workers, STEPS steps; its metrics per step."""
     config = load_config([*shared["base"], f"trainer.experiment_name={name}", f"trainer.max_steps={STEPS}", *overrides])
     plan = resolve(config, shared["cluster"])
     loader = make_loader(shared["dataset"], config.data.rollout_batch_size, True, config.data.seed, drop_last=True)
     run = RunInfo(config.trainer.project_name, name, plan.experiment_dir, {}, plan.as_dict())
     tracker = Tracker([LoggerName.file], run)
     checkpoints = CheckpointManager(plan.checkpoint_dir, 1)
-    RayPPOTrainer(config, plan, loader, None, shared["scorers"], shared["workers"], tracker, checkpoints).fit()
+    TrainingLoop(config, plan, loader, None, shared["scorers"], shared["workers"], tracker, checkpoints).fit()
     path = Path(plan.experiment_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -52,7 +52,7 @@ def crashed_then_resumed(tiny_assets, tmp_path_factory):
         *E2E_TRAINING, *logging_reward(tmp), "data.val_files=", "trainer.val_before_train=false",
         "trainer.logger=[console,file,mlflow]", "trainer.save_freq=1",
     )  # fmt: skip
-    crashed = run_main(out, *args, experiment="e2e", env={"VLMRL_TEST_CRASH_IN_SAVE_AT_STEP": "3"})
+    crashed = run_main(out, *args, experiment="e2e", crash_in_save_at=3)
     assert crashed.returncode != 0, "the fault injection should have killed the run"
     checkpoints = experiment_dir(out, "e2e") / "checkpoints"
     debris = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".global_step_3.tmp-"))

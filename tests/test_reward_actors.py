@@ -68,8 +68,8 @@ def test_scores_land_on_the_last_valid_token_and_sub_scores_become_metrics(clust
     scorers = start_scorers(reward, validation=True)
     assert scorers.val is not None and scorers.val.reward_manager != scorers.train.reward_manager
     batch = make_batch(["red", "blue", "red", "red"], [1, 4, 6, 2])
-    metrics = scorers.train.collect(scorers.train.launch(batch), batch)
-    assert metrics == {
+    rewards = scorers.train.collect(scorers.train.launch(batch), batch)
+    assert rewards.metrics == {
         "reward/overall": pytest.approx((2 + 0 + 2 + 2) / 4),
         "reward/image_width": pytest.approx((28 - 1 + 28 - 1) / 4),  # images reached the function as PIL
         "reward/difficulty": pytest.approx((0 + 1 + 2 + 3) / 4),  # so did the row's extra column
@@ -77,12 +77,17 @@ def test_scores_land_on_the_last_valid_token_and_sub_scores_become_metrics(clust
     }
     expected = torch.zeros(4, 6)
     expected[0, 0], expected[2, 5], expected[3, 1] = 2.0, 2.0, 2.0
-    assert torch.equal(batch.token_level_scores, expected)
-    assert batch.reward_metrics["difficulty"] == [0.0, 1.0, 2.0, 3.0]
+    assert torch.equal(rewards.token_level_scores, expected)
+    assert rewards.per_sample["difficulty"] == [0.0, 1.0, 2.0, 3.0]
+    # Scoring leaves the batch alone; assigning the result is the caller's one visible step.
+    assert batch.token_level_scores is None and batch.reward_metrics == {}
+    rewards.assign_to(batch)
+    assert torch.equal(batch.token_level_scores, expected) and batch.reward_metrics["difficulty"][3] == 3.0
     # The validation actor scores the same way, on its own.
     val_batch = make_batch(["red", "red"], [2, 2])
     assert (
-        scorers.val.collect(scorers.val.launch(val_batch), val_batch, prefix="val/reward")["val/reward/overall"] == 2.0
+        scorers.val.collect(scorers.val.launch(val_batch), val_batch, prefix="val/reward").metrics["val/reward/overall"]
+        == 2.0
     )
 
 
@@ -93,7 +98,7 @@ def test_launch_returns_at_once_so_the_trainer_can_work_while_the_function_runs(
     job = scorer.launch(batch)
     launched = time.monotonic() - start
     assert launched < 1.5  # the 3 s call runs in the actor meanwhile
-    assert scorer.collect(job, batch)["reward/overall"] == 1.0
+    assert scorer.collect(job, batch).metrics["reward/overall"] == 1.0
     assert time.monotonic() - start >= 3.0
 
 
@@ -110,9 +115,9 @@ def test_timeouts_are_counted_in_the_metrics(cluster, spec):
     reward = RewardConfig(reward_function=spec, timeout=1.0, on_timeout=TimeoutPolicy.zero)
     scorer = start_scorers(reward, validation=False).train
     batch = make_batch(["red", "sleep", "red"], [1, 1, 1])
-    metrics = scorer.collect(scorer.launch(batch), batch)
-    assert metrics["reward/timeouts"] == 1
-    assert batch.reward_metrics["overall"] == [1.0, 0.0, 1.0]
+    rewards = scorer.collect(scorer.launch(batch), batch)
+    assert rewards.metrics["reward/timeouts"] == 1
+    assert rewards.per_sample["overall"] == [1.0, 0.0, 1.0]
 
 
 def test_kwargs_that_do_not_fit_fail_when_the_actors_start(cluster, spec):

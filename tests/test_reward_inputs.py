@@ -7,6 +7,7 @@ field is, see tests/test_protocol.py) into ``reward_input``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pandas as pd
@@ -60,16 +61,16 @@ def test_reward_inputs_hold_easyr1_keys_vlmrl_additions_and_extra_fields():
 
 def test_a_batch_without_images_or_extra_fields_still_gives_every_key():
     batch = make_batch(["red"], [1])
-    batch.images, batch.extra_fields = [], []
+    batch.trajectories = [dataclasses.replace(t, media=[], extra={}) for t in batch.trajectories]
     (x,) = reward_inputs(batch)
     assert x["images"] == [] and x["response"] == "red"
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_samples_of_a_prompt_share_their_image_list(n):
-    # Pickling sends an image once per prompt, not once per sample, when the n samples share it.
+    # Pickling sends an image once per prompt, not once per sample, when the n samples share the object.
     batch = make_batch(["red"] * n, [1] * n)
-    shared = batch.images[0]
-    batch.images = [shared] * n
+    shared = batch.trajectories[0].media
+    batch.trajectories = [dataclasses.replace(t, media=shared) for t in batch.trajectories]
     xs = reward_inputs(batch)
-    assert all(x["images"] is shared for x in xs)
+    assert all(len(x["images"]) == 1 and x["images"][0] is shared[0].item for x in xs)

@@ -18,6 +18,16 @@ from vlmrl.workers.group import _chunks
 # --------------------------------------------------------------------------- place_scores
 
 
+def test_place_scores_puts_a_multi_turn_reward_on_the_last_trained_token_not_the_last_token():
+    # A trajectory's loss mask has gaps where a tool answered, and may end before the row does
+    # (a final tool turn, then nothing the model said): the reward goes to the last 1.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 0], [0, 1, 0, 1, 1, 1, 0]])
+    assert place_scores([1.0, 2.0], mask).tolist() == [
+        [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0],
+    ]
+
+
 def test_place_scores_puts_each_reward_on_the_last_valid_token():
     mask = torch.tensor(
         [

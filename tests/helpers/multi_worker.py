@@ -22,7 +22,7 @@ from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.checkpoint import CheckpointManager
 from vlmrl.algos import LossAvgMode
-from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.loop import TrainingLoop
 from vlmrl.driver.runner import _dataset
 from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
@@ -114,7 +114,7 @@ def train(base: list[str], workers, scorers, name: str, steps: int) -> list[dict
     run = RunInfo(config.trainer.project_name, name, plan.experiment_dir, {}, plan.as_dict())
     tracker = Tracker([LoggerName.file], run)
     checkpoints = CheckpointManager(plan.checkpoint_dir, 1)
-    RayPPOTrainer(config, plan, loader, None, scorers, workers, tracker, checkpoints).fit()
+    TrainingLoop(config, plan, loader, None, scorers, workers, tracker, checkpoints).fit()
     metrics = [json.loads(line) for line in (Path(plan.experiment_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:

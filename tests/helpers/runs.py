@@ -30,14 +30,26 @@ def main_command(output_dir: Path, *overrides: str, experiment: str = "run") -> 
     ]  # fmt: skip
 
 
-def run_main(output_dir: Path, *overrides: str, experiment: str = "run", env: dict | None = None, timeout: int = 600):
+def run_main(
+    output_dir: Path,
+    *overrides: str,
+    experiment: str = "run",
+    env: dict | None = None,
+    timeout: int = 600,
+    crash_in_save_at: int | None = None,
+):
     """Run to completion; return the CompletedProcess (the caller checks returncode).
 
     A user's MLFLOW_TRACKING_URI is dropped: test runs use their embedded store.
+    ``crash_in_save_at``: kill the run in the middle of saving that step (tests/helpers/crash_in_save.py).
     """
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    command = main_command(output_dir, *overrides, experiment=experiment)
+    if crash_in_save_at is not None:
+        command = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), str(crash_in_save_at)]
+        command += main_command(output_dir, *overrides, experiment=experiment)[3:]
     return subprocess.run(
-        main_command(output_dir, *overrides, experiment=experiment),
+        command,
         cwd=REPO,
         env={**base, **(env or {})},
         capture_output=True,

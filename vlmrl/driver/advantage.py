@@ -7,11 +7,32 @@ baseline, config knobs); nothing here tests an estimator's name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from vlmrl.config import AlgorithmConfig
 from vlmrl.records import Batch
 from vlmrl import algos
+
+
+@dataclass
+class Advantages:
+    """What the advantage stage gives a batch; the step loop assigns it."""
+
+    token_level_rewards: torch.Tensor
+    """(B, R) the scores, less the KL penalty when the KL is in the reward."""
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    metrics: dict[str, float]
+
+    def assign_to(self, batch: Batch) -> None:
+        batch.token_level_rewards, batch.advantages, batch.returns = (
+            self.token_level_rewards,
+            self.advantages,
+            self.returns,
+        )
 
 
 class AdvantageStage:
@@ -24,15 +45,19 @@ class AdvantageStage:
                 algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
             )
 
-    def __call__(self, batch: Batch) -> dict[str, float]:
-        """Fill ``token_level_rewards``, ``advantages`` and ``returns``; return the KL-penalty metrics."""
+    def __call__(self, batch: Batch) -> Advantages:
+        """The token-level rewards, advantages and returns of ``batch``, and the KL-penalty metrics.
+
+        Reads the batch, writes nothing to it; advances the adaptive KL controller.
+        """
         metrics = {}
         if self.kl_controller is None:
-            batch.token_level_rewards = batch.token_level_scores
+            batch.require("token_level_scores")
+            rewards = batch.token_level_scores
         else:
             batch.require("token_level_scores", "old_log_probs", "ref_log_probs")
             coef = self.kl_controller.coef
-            batch.token_level_rewards, current_kl = algos.kl_in_reward(
+            rewards, current_kl = algos.kl_in_reward(
                 batch.token_level_scores,
                 batch.old_log_probs,
                 batch.ref_log_probs,
@@ -49,10 +74,8 @@ class AdvantageStage:
         if self.spec.needs_greedy_baseline:
             batch.require("reward_baselines")
             kwargs["baseline_scores"] = batch.reward_baselines
-        batch.advantages, batch.returns = self.spec.fn(
-            batch.token_level_rewards, batch.response_mask, batch.group_ids, **kwargs
-        )
-        return metrics
+        advantages, returns = self.spec.fn(rewards, batch.response_mask, batch.group_ids, **kwargs)
+        return Advantages(rewards, advantages, returns, metrics)
 
     def state(self) -> dict[str, float]:
         """What a checkpoint must hold for an exact resume: the adaptive KL coefficient."""

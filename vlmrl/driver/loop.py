@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -16,6 +14,7 @@ from vlmrl.plan import Plan
 from vlmrl.records import PromptSample
 from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.driver.advantage import AdvantageStage
+from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
@@ -36,7 +35,9 @@ def timer(name: str, timings: dict[str, float]):
     timings[name] = time.perf_counter() - start
 
 
-class RayPPOTrainer:
+class TrainingLoop:
+    """The step loop of every algorithm: rollout, rewards, log-probs, advantages, updates, resync, save."""
+
     def __init__(
         self,
         config: Config,
@@ -49,6 +50,7 @@ class RayPPOTrainer:
         checkpoints: CheckpointManager,
         resume_from: Path | None = None,
         stop_requested: threading.Event | None = None,
+        hooks: RunHooks | None = None,
     ):
         self.config, self.plan = config, plan
         self.train_loader = train_loader
@@ -56,6 +58,7 @@ class RayPPOTrainer:
         self.checkpoints = checkpoints
         self.resume_from = resume_from
         self.stop_requested = stop_requested or threading.Event()
+        self.hooks = hooks or RunHooks()
         self.scorer = scorers.train
         self.workers = workers
         self.tracker = tracker
@@ -163,10 +166,12 @@ class RayPPOTrainer:
                     with timer("values", timings):
                         batch.values = self.workers.compute_values(batch)
                 with timer("reward", timings):  # only the wait that the passes did not hide
-                    reward_metrics = rollout.collect()
+                    rewards = rollout.collect()
+                rewards.assign_to(batch)
                 # 3. Token-level rewards (less the KL penalty when KL is in the reward), then advantages.
                 with timer("adv", timings):
-                    kl_metrics = self.advantages(batch)
+                    advantages = self.advantages(batch)
+                advantages.assign_to(batch)
                 # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
                 critic_metrics, actor_metrics, resync_metrics = {}, {}, {}
                 if self.plan.use_critic:
@@ -192,8 +197,8 @@ class RayPPOTrainer:
                         self._save(step)
             metrics = {
                 **batch_metrics(batch, entropy),
-                **reward_metrics,
-                **kl_metrics,
+                **rewards.metrics,
+                **advantages.metrics,
                 **critic_metrics,
                 **actor_metrics,
                 **resync_metrics,
@@ -236,10 +241,8 @@ class RayPPOTrainer:
         (tmp / "config.json").write_text(
             json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2)
         )
-        crash_at = os.environ.get("VLMRL_TEST_CRASH_IN_SAVE_AT_STEP")
-        if crash_at is not None and int(crash_at) == step:
-            # Fault injection for the crash-during-save test: die as SIGKILL would, shards written, not committed.
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.hooks.checkpoint_written is not None:
+            self.hooks.checkpoint_written(step)
         path = self.checkpoints.commit(tmp, step)
         print(f"checkpoint: saved {path}", flush=True)
 

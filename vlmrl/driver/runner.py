@@ -17,7 +17,8 @@ from vlmrl.data.dataset import RLHFDataset
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import Plan
 from vlmrl.driver.checkpoint import CheckpointManager, check_model_matches, load_trainer_state
-from vlmrl.driver.loop import RayPPOTrainer
+from vlmrl.driver.hooks import RunHooks
+from vlmrl.driver.loop import TrainingLoop
 from vlmrl.driver.scoring import start_scorers
 from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.train.checkpoint import check_lora_matches
@@ -56,7 +57,7 @@ class Runner:
         """Finish the current step, save a checkpoint, and return from ``run``."""
         self.stop_requested.set()
 
-    def run(self, config: Config, plan: Plan) -> None:
+    def run(self, config: Config, plan: Plan, hooks: RunHooks | None = None) -> None:
         experiment_dir = Path(plan.experiment_dir)
         experiment_dir.mkdir(parents=True, exist_ok=True)
         (experiment_dir / "config.json").write_text(json.dumps({"config": to_dict(config), "plan": plan.as_dict()}, indent=2))
@@ -90,9 +91,9 @@ class Runner:
         tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
         tracker = Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
         try:
-            RayPPOTrainer(
+            TrainingLoop(
                 config, plan, train_loader, val_loader, scorers, workers, tracker,
-                checkpoints=checkpoints, resume_from=resume_from, stop_requested=self.stop_requested,
+                checkpoints=checkpoints, resume_from=resume_from, stop_requested=self.stop_requested, hooks=hooks,
             ).fit()  # fmt: skip
         except BaseException:
             tracker.close(failed=True)  # the MLflow run is marked FAILED rather than left RUNNING

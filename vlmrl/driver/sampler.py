@@ -20,8 +20,8 @@ from vlmrl.config import Config
 from vlmrl.records import Batch, PromptSample
 from vlmrl import algos
 from vlmrl.driver.metrics import reduce_reward_metrics
-from vlmrl.driver.scoring import Scorer
-from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.driver.scoring import Rewards, Scorer
+from vlmrl.rollout.engine import Sampling
 
 
 class OnlineFilteringError(RuntimeError):
@@ -31,8 +31,8 @@ class OnlineFilteringError(RuntimeError):
 @dataclass
 class Rollout:
     batch: Batch
-    collect: Callable[[], dict[str, float]]
-    """Wait for the rewards still running, fill the batch's scores (and ReMax baselines); return reward metrics."""
+    collect: Callable[[], Rewards]
+    """Wait for the rewards still running; return the batch's rewards (and ReMax baselines) and their metrics."""
 
 
 class RolloutSampler:
@@ -41,7 +41,7 @@ class RolloutSampler:
         config: Config,
         workers,
         scorer: Scorer,
-        sampling: SamplingOverrides,
+        sampling: Sampling,
         new_group_ids: Callable[[int], list[int]],
     ):
         self.algo, self.workers, self.scorer, self.sampling = config.algorithm, workers, scorer, sampling
@@ -55,18 +55,19 @@ class RolloutSampler:
         """The step's batch from ``prompts`` (and, with online filtering, from ``more_prompts()`` as needed)."""
         prompt_of: dict[int, PromptSample] = {}
         if self.algo.online_filtering:
-            batch, reward_metrics = self._filtered(prompts, more_prompts, prompt_of)
+            batch, filtered = self._filtered(prompts, more_prompts, prompt_of)
             reward_job = None
         else:
             batch = self._generate(prompts, prompt_of)
             reward_job = self.scorer.launch(batch)
         baseline = self._launch_baseline(batch, prompt_of) if self.needs_baseline else None
 
-        def collect() -> dict[str, float]:
-            metrics = reward_metrics if reward_job is None else self.scorer.collect(reward_job, batch)
+        def collect() -> Rewards:
+            rewards = filtered if reward_job is None else self.scorer.collect(reward_job, batch)
             if baseline is not None:
-                metrics = {**metrics, **self._collect_baseline(batch, *baseline)}
-            return metrics
+                baselines, metrics = self._collect_baseline(batch, *baseline)
+                rewards = dataclasses.replace(rewards, baselines=baselines, metrics={**rewards.metrics, **metrics})
+            return rewards
 
         return Rollout(batch, collect)
 
@@ -75,7 +76,7 @@ class RolloutSampler:
         prompt_of.update(zip(group_ids, prompts))
         return self.workers.generate(prompts, group_ids, self.sampling)
 
-    def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, dict[str, float]]:
+    def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, Rewards]:
         algo = self.algo
         kept: list[Batch] = []
         kept_groups = seen_groups = timeouts = 0
@@ -84,7 +85,9 @@ class RolloutSampler:
         while True:
             tries += 1
             batch = self._generate(prompts, prompt_of)
-            timeouts += self.scorer.collect(self.scorer.launch(batch), batch)["reward/timeouts"]
+            rewards = self.scorer.collect(self.scorer.launch(batch), batch)
+            rewards.assign_to(batch)  # this round's batch is the sampler's own until it is returned
+            timeouts += rewards.metrics["reward/timeouts"]
             for name, values in batch.reward_metrics.items():
                 scores[name].extend(values)
             if algo.filter_key not in batch.reward_metrics:
@@ -118,7 +121,7 @@ class RolloutSampler:
             "filter/tries": tries,
             "filter/kept_group_ratio": kept_groups / seen_groups,
         }
-        return batch, metrics
+        return batch, Rewards(batch.token_level_scores, batch.reward_metrics, metrics)
 
     def _launch_baseline(self, batch: Batch, prompt_of: dict[int, PromptSample]):
         """ReMax: one greedy response per prompt of the batch, its reward launched."""
@@ -126,8 +129,8 @@ class RolloutSampler:
         greedy = self.workers.generate([prompt_of[g] for g in group_ids], group_ids, self.greedy)
         return greedy, self.scorer.launch(greedy)
 
-    def _collect_baseline(self, batch: Batch, greedy: Batch, job) -> dict[str, float]:
-        metrics = self.scorer.collect(job, greedy, prefix="reward_baseline")
-        greedy_score = dict(zip(greedy.group_ids.tolist(), greedy.reward_metrics["overall"]))
-        batch.reward_baselines = torch.tensor([greedy_score[g] for g in batch.group_ids.tolist()])
-        return metrics
+    def _collect_baseline(self, batch: Batch, greedy: Batch, job) -> tuple[torch.Tensor, dict[str, float]]:
+        """ReMax: each sample's greedy-baseline reward (B,), and the baseline's reward metrics."""
+        rewards = self.scorer.collect(job, greedy, prefix="reward_baseline")
+        greedy_score = dict(zip(greedy.group_ids.tolist(), rewards.per_sample["overall"]))
+        return torch.tensor([greedy_score[g] for g in batch.group_ids.tolist()]), rewards.metrics

@@ -21,9 +21,16 @@ from vlmrl.driver.metrics import reduce_reward_metrics
 
 
 def place_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
-    """(B, R) with each sample's scalar reward on its last response token and 0 elsewhere."""
+    """(B, R) with each sample's scalar reward on its last trained token and 0 elsewhere.
+
+    The last trained token, not the last token: in a multi-turn trajectory the
+    loss mask has gaps (tool output) and may end before the row does. A row
+    with no trained token puts its reward on column 0.
+    """
     token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = response_mask.sum(dim=1).clamp(min=1) - 1  # (B,)
+    width = response_mask.shape[1]
+    from_end = response_mask.bool().flip(dims=[1]).int().argmax(dim=1)  # first 1 from the right
+    last = torch.where(response_mask.bool().any(dim=1), width - 1 - from_end, 0)  # (B,)
     token_level[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return token_level
 
@@ -52,6 +59,25 @@ def reward_inputs(batch: Batch) -> list[dict]:
     ]
 
 
+@dataclass
+class Rewards:
+    """What scoring a batch gives; the stage that owns the batch assigns it."""
+
+    token_level_scores: torch.Tensor
+    """(B, R) each sample's reward on its last trained token."""
+    per_sample: dict[str, list[float]]
+    """Per-sample scores by name ("overall" and the function's sub-scores), each of length B."""
+    metrics: dict[str, float]
+    baselines: torch.Tensor | None = None
+    """(B,) ReMax: the reward of a greedy response to each sample's prompt."""
+
+    def assign_to(self, batch: Batch) -> None:
+        """Write these rewards into ``batch``'s reward fields (the one place that does)."""
+        batch.token_level_scores, batch.reward_metrics = self.token_level_scores, self.per_sample
+        if self.baselines is not None:
+            batch.reward_baselines = self.baselines
+
+
 class Scorer:
     """One reward-manager actor, seen from the driver."""
 
@@ -64,15 +90,15 @@ class Scorer:
     def launch(self, batch: Batch) -> ray.ObjectRef:
         return self.reward_manager.compute.remote(reward_inputs(batch))
 
-    def collect(self, job: ray.ObjectRef, batch: Batch, prefix: str = "reward") -> dict[str, float]:
-        """Fill the batch's token-level scores and per-sample sub-scores; return their means and the timeouts."""
+    def collect(self, job: ray.ObjectRef, batch: Batch, prefix: str = "reward") -> Rewards:
+        """The batch's token-level scores and per-sample sub-scores, with their means and the timeouts.
+
+        Nothing is written to ``batch``: the caller assigns the result (``Rewards.assign_to``).
+        """
         result: RewardResult = self.get(job)
-        batch.token_level_scores = place_scores(result.overall, batch.response_mask)
-        batch.reward_metrics = {"overall": result.overall, **result.sub_scores}
-        return {
-            **reduce_reward_metrics(batch.reward_metrics, prefix=prefix),
-            f"{prefix}/timeouts": len(result.timeouts),
-        }
+        per_sample = {"overall": result.overall, **result.sub_scores}
+        metrics = {**reduce_reward_metrics(per_sample, prefix=prefix), f"{prefix}/timeouts": len(result.timeouts)}
+        return Rewards(place_scores(result.overall, batch.response_mask), per_sample, metrics)
 
     def get(self, ref: ray.ObjectRef):
         """``ray.get`` with the manager's failures as RewardFunctionErrors that say what happened."""

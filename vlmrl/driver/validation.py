@@ -18,7 +18,7 @@ from vlmrl.records import Batch
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.scoring import Scorer
 from vlmrl.loggers.tracking import Tracker, ValidationSample
-from vlmrl.rollout.vllm_engine import SamplingOverrides
+from vlmrl.rollout.engine import Sampling
 from vlmrl.workers.group import WorkerGroup
 
 
@@ -28,7 +28,7 @@ class Validator:
         workers: WorkerGroup,
         scorer: Scorer,
         loader,
-        sampling: SamplingOverrides,
+        sampling: Sampling,
         experiment_dir: str,
         generations_to_log: int,
         tracker: Tracker | None = None,
@@ -43,7 +43,9 @@ class Validator:
         for prompts in self.loader:
             # Group ids only matter for advantages, which validation does not compute.
             batch = self.workers.generate(prompts, list(range(len(prompts))), self.sampling)
-            timeouts += self.scorer.collect(self.scorer.launch(batch), batch)["reward/timeouts"]
+            rewards = self.scorer.collect(self.scorer.launch(batch), batch)
+            rewards.assign_to(batch)
+            timeouts += rewards.metrics["reward/timeouts"]
             parts.append(batch)
         batch = Batch.concat(parts)
         metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="val/reward"), "val/reward/timeouts": timeouts}
