@@ -246,7 +246,7 @@ def part_vllm(args, result_path: Path) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vlmrl.rollout.vllm_engine import sampling_mask
+    from vlmrl.rollout.sampling import sampling_mask
 
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
     llm = LLM(
@@ -303,7 +303,8 @@ def part_hf(args, result_path: Path) -> None:
 
     from vlmrl.train.actor import forward_response
     from vlmrl.records.views import build_batch
-    from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.vllm_engine import Generation
 
     torch.manual_seed(0)
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)

@@ -8,6 +8,7 @@
   prefix cache would decode as before), and after resyncs of other weights, a
   resync of the weights the engine started on decodes exactly (tokens and
   log-probs) what the fresh engine decoded.
+- A sink that fails mid-stream still lets every all-gather of the sync run.
 - Sleep/wake order on GPU (weights, load, KV cache), none on CPU.
 - The process-group backend follows the device.
 """
@@ -23,7 +24,7 @@ import torch
 from helpers.runs import REPO
 
 from vlmrl.workers.hybrid import process_group_backend
-from vlmrl.rollout.vllm_engine import VLLMRollout
+from vlmrl.rollout.vllm_engine import VLLMEngine
 from vlmrl.weight_sync.gather import plan_buckets
 
 
@@ -81,6 +82,7 @@ def test_resync_decodes_exactly_as_a_fresh_engine_on_the_same_weights(live_resyn
     assert _same(live_resync["synced_target"], live_resync["fresh_target"])
     assert not _same(live_resync["actor"], live_resync["fresh_target"])  # the control: the resyncs changed the engine
     assert live_resync["names_match"] and live_resync["values_match"]
+    assert live_resync["version"] == 3  # three syncs, each its version
 
 
 def test_a_changed_vision_tower_is_not_served_from_stale_caches(live_resync):
@@ -95,7 +97,7 @@ def test_a_changed_vision_tower_is_not_served_from_stale_caches(live_resync):
 
 
 class _FakeLLM:
-    """Records the sleep-mode calls a VLLMRollout makes."""
+    """Records the sleep-mode calls a VLLMEngine makes."""
 
     def __init__(self):
         self.calls = []
@@ -123,11 +125,14 @@ class _FakeLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
+    def has_unfinished_requests(self):
+        return False
 
-def _rollout(sleeps: bool) -> VLLMRollout:
+
+def _rollout(sleeps: bool) -> VLLMEngine:
     # The engine's memory handling only, without building an engine.
-    rollout = object.__new__(VLLMRollout)
-    rollout.llm, rollout.sleeps, rollout.freed = _FakeLLM(), sleeps, set()
+    rollout = object.__new__(VLLMEngine)
+    rollout.llm, rollout.sleeps, rollout.freed, rollout.version = _FakeLLM(), sleeps, set(), 0
     return rollout
 
 
@@ -136,7 +141,7 @@ def test_gpu_engine_sleeps_after_generating_and_wakes_weights_before_kv_cache_on
     rollout.wake_up()
     rollout.llm.calls.append(("generate",))
     rollout.sleep()
-    rollout.load_weights(iter([("w", torch.zeros(1))]))
+    rollout.load_weights(iter([("w", torch.zeros(1))]), version=1)
     rollout.wake_up()  # the next generate: already awake
     calls = [c if c[0] != "rpc" else ("rpc", c[1], [n for n, _ in c[2]]) for c in rollout.llm.calls]
     assert calls == [
@@ -158,9 +163,45 @@ def test_gpu_engine_sleeps_after_generating_and_wakes_weights_before_kv_cache_on
 def test_cpu_engine_never_sleeps_but_still_drops_its_caches_on_resync():
     rollout = _rollout(sleeps=False)
     rollout.sleep()
-    rollout.load_weights([("w", torch.zeros(1))])
+    rollout.load_weights([("w", torch.zeros(1))], version=1)
     rollout.wake_up()
     assert [c[0] for c in rollout.llm.calls] == ["rpc", "reset_encoder_cache", "reset_mm_cache", "reset_prefix_cache"]
+
+
+class _CountingGather:
+    """Stands in for the bucketed gather: three tensors, counting how many were gathered."""
+
+    largest_bucket_bytes = 0
+
+    def __init__(self):
+        self.gathered = 0
+
+    def stream(self, dtype=None):
+        for name in ("a", "b", "c"):
+            self.gathered += 1
+            yield name, torch.zeros(1)
+
+
+class _FailingSink:
+    def __init__(self, reads: int):
+        self.reads = reads
+
+    def load(self, named_tensors, version):
+        stream = iter(named_tensors)
+        for _ in range(self.reads):
+            next(stream)
+        raise RuntimeError("the engine failed")
+
+
+@pytest.mark.parametrize("reads", [0, 1])
+def test_a_failed_load_still_gathers_the_rest_so_other_ranks_do_not_hang(reads):
+    from vlmrl.weight_sync import WeightSync
+
+    sync = WeightSync(torch.nn.Linear(1, 1), _FailingSink(reads), torch.float32)
+    sync.gather = _CountingGather()
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        sync.sync(1)
+    assert sync.gather.gathered == 3  # every all-gather of the sync ran, as on the ranks that did not fail
 
 
 def test_process_group_backend_follows_the_device():

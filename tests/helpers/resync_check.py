@@ -45,8 +45,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import load_config
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask
-from vlmrl.weight_sync.gather import FSDPVLLMShardingManager
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.weight_sync import EngineSink, WeightSync
 
 RESPONSE = 6
 
@@ -62,10 +64,10 @@ def setup(model_dir, max_model_len, min_pixels, max_pixels, rank=0, world=1, sto
     fully_shard(model, mesh=mesh)
     processor = AutoProcessor.from_pretrained(model_dir)
     allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
-    rollout = VLLMRollout(
+    rollout = VLLMEngine(
         str(engine_dir or model_dir), dtype="float32", seed=0, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
         enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels,
-        max_pixels=max_pixels, max_response_length=RESPONSE, allowed_tokens=allowed,
+        max_pixels=max_pixels, allowed_tokens=allowed,
     )  # fmt: skip
     return model, processor, rollout
 
@@ -101,29 +103,30 @@ def check(model_dir: str, data_file: str) -> dict:
         max_pixels=data.max_pixels, format_prompt=data.format_prompt,
     )  # fmt: skip
     prompts = [dataset.sample(i) for i in range(4)]
-    greedy = SamplingOverrides(n=1, temperature=0.0, want_log_probs=True)
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=RESPONSE, want_log_probs=True)
 
     def decode() -> list[dict]:
-        out = rollout.generate(prompts, list(range(len(prompts))), greedy)
-        return [{"ids": g.token_ids, "log_probs": g.log_probs} for g in out]
+        out = rollout.generate(seeded_requests(prompts, list(range(len(prompts))), greedy, rollout.seed))
+        return [{"ids": s.token_ids, "log_probs": s.log_probs} for o in out for s in o.samples]
 
-    manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=64 << 10)
+    sync = WeightSync(model, EngineSink(rollout), torch.float32, bucket_bytes=64 << 10)
     result = {"fresh_target": decode()}
-    manager.sync()
+    sync.sync(1)
     result["actor"] = decode()
     perturb(model, "model.visual.", 0.5, seed=1)
-    result["vision_sync"] = manager.sync()
+    result["vision_sync"] = sync.sync(2)
     result["vision_changed"] = decode()
     target = AutoModelForImageTextToText.from_pretrained(target_dir, dtype=torch.float32).state_dict()
     with torch.no_grad():
         for k, v in model.state_dict().items():
             v.to_local().copy_(target[k])
-    manager.bucket_bytes = 1  # every tensor its own bucket
-    manager.sync()
+    sync.gather.bucket_bytes = 1  # every tensor its own bucket
+    sync.sync(3)
     result["synced_target"] = decode()
+    result["version"] = rollout.version
     # The stream names what the whole-state-dict gather names, with the same values.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    streamed = list(manager.stream_full_weights())
+    streamed = list(sync.gather.stream())
     result["names_match"] = [n for n, _ in streamed] == list(full)
     result["values_match"] = all(torch.equal(t, full[n]) for n, t in streamed)
     return result
@@ -158,15 +161,16 @@ class PeakRSS:
 def measure(rank: int, world: int, store: str, model_dir: str, bucket_mb: float, repeats: int) -> None:
     model, _, rollout = setup(model_dir, 256, 3136, 12544, rank, world, store)
     size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20  # DTensor: global numel
-    manager = FSDPVLLMShardingManager(model, rollout, torch.float32, bucket_bytes=int(bucket_mb * 2**20))
+    sync = WeightSync(model, EngineSink(rollout), torch.float32, bucket_bytes=int(bucket_mb * 2**20))
+    versions = iter(range(1, 1 << 30))
 
     def whole():
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        rollout.load_weights([(n, t.to(torch.float32)) for n, t in state.items()])
+        rollout.load_weights([(n, t.to(torch.float32)) for n, t in state.items()], next(versions))
 
     rows: dict[str, list] = {"whole": [], "stream": []}
     for _ in range(repeats):
-        for name, run in (("whole", whole), ("stream", manager.sync)):
+        for name, run in (("whole", whole), ("stream", lambda: sync.sync(next(versions)))):
             start = time.perf_counter()
             with PeakRSS() as peak:
                 run()
@@ -181,7 +185,7 @@ def measure(rank: int, world: int, store: str, model_dir: str, bucket_mb: float,
         "ranks": world,
         "model_mb": size_mb,
         "bucket_mb": bucket_mb,
-        "largest_bucket_mb": manager.largest_bucket_bytes / 2**20,
+        "largest_bucket_mb": sync.gather.largest_bucket_bytes / 2**20,
         **{f"{k}_seconds": median([r[0] for r in v]) for k, v in rows.items()},
         "whole_extra_rss_mb": float(extra[0]),
         "stream_extra_rss_mb": float(extra[1]),
@@ -197,14 +201,14 @@ def measure(rank: int, world: int, store: str, model_dir: str, bucket_mb: float,
         return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
 
     perturb(model, "", 0.5, seed=3)
-    target = [(n, t.clone()) for n, t in manager.stream_full_weights(torch.float32)]
-    manager.sync()
+    target = [(n, t.clone()) for n, t in sync.gather.stream(torch.float32)]
+    sync.sync(next(versions))
     one_call = greedy()
     perturb(model, "", 0.5, seed=4)
-    manager.sync()  # the engine now holds other weights
+    sync.sync(next(versions))  # the engine now holds other weights
     split = next(i for i, (n, _) in enumerate(target) if "language_model" in n and n.endswith("k_proj.weight"))
-    rollout.load_weights(target[:split])
-    rollout.load_weights(target[split:])
+    rollout.load_weights(target[:split], next(versions))
+    rollout.load_weights(target[split:], next(versions))
     result["partial_split_before"] = target[split][0]
     result["partial_calls_equal_one_call"] = greedy() == one_call
     if rank == 0:

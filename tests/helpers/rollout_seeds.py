@@ -1,4 +1,4 @@
-"""Generate twice with vlmrl's VLLMRollout on more prompt tokens than one engine step holds; print JSON.
+"""Generate twice with vlmrl's VLLMEngine and seeded requests on more prompt tokens than one engine step holds; print JSON.
 
 Run as a subprocess by tests/test_rollout.py (vLLM patches torch's thread
 settings process-wide, so it stays out of the pytest process).
@@ -14,7 +14,9 @@ from transformers import AutoProcessor  # noqa: E402
 from vlmrl.config import load_config  # noqa: E402
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.testing.assets import ensure_tiny_assets  # noqa: E402
-from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask  # noqa: E402
+from vlmrl.rollout.engine import Sampling  # noqa: E402
+from vlmrl.rollout.sampling import sampling_mask, seeded_requests  # noqa: E402
+from vlmrl.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 PROMPTS = 24
 
@@ -30,20 +32,22 @@ def main() -> None:
     )  # fmt: skip
     prompts = [dataset[i] for i in range(PROMPTS)]
     max_model_len = data.max_prompt_length + data.max_response_length
-    rollout = VLLMRollout(
+    engine = VLLMEngine(
         str(assets.model_dir), dtype="float32", seed=1, max_model_len=max_model_len,
         # One engine step holds far fewer tokens than the 24 prompts (~60 tokens each).
         max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=1, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-        max_response_length=data.max_response_length,
         allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
     )  # fmt: skip
-    sampling = SamplingOverrides(n=2, temperature=1.0, want_log_probs=False)
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=data.max_response_length, want_log_probs=False)
     ids = list(range(PROMPTS))
-    first = rollout.generate(prompts, ids, sampling)
-    again = rollout.generate(prompts, ids, sampling)
-    shifted = rollout.generate(prompts, [i + 1000 for i in ids], sampling)
-    print("RESULT " + json.dumps({k: [g.token_ids for g in v] for k, v in [("first", first), ("again", again), ("shifted", shifted)]}))
+
+    def sample(group_ids: list[int]) -> list[list[int]]:
+        outputs = engine.generate(seeded_requests(prompts, group_ids, sampling, engine.seed))
+        return [s.token_ids for out in outputs for s in out.samples]
+
+    first, again, shifted = sample(ids), sample(ids), sample([i + 1000 for i in ids])
+    print("RESULT " + json.dumps({"first": first, "again": again, "shifted": shifted}))
 
 
 if __name__ == "__main__":

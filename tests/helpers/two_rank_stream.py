@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from vlmrl.weight_sync.gather import FSDPVLLMShardingManager
+from vlmrl.weight_sync.gather import BucketedGather
 
 # (bucket bytes, dtype cast before the gather): one tensor per all-gather, 64-byte buckets in bf16, one bucket.
 CASES = ((1, None), (64, torch.bfloat16), (1 << 40, None))
@@ -41,16 +41,16 @@ def run(rank: int, world: int, store: str, out: str) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    manager = FSDPVLLMShardingManager(model, rollout=None, rollout_dtype=torch.bfloat16)
+    gather = BucketedGather(model)
     report = {"local_rows": {n: t.to_local().shape[0] for n, t in model.state_dict().items() if n != "scale"}}
     for bucket_bytes, dtype in CASES:
-        manager.bucket_bytes = bucket_bytes
-        streamed = list(manager.stream_full_weights(dtype))
+        gather.bucket_bytes = bucket_bytes
+        streamed = list(gather.stream(dtype))
         want = {k: v if dtype is None else v.to(dtype) for k, v in full.items()}
         report[str(bucket_bytes)] = {
             "names": [n for n, _ in streamed] == list(want),
             "values": all(t.dtype == want[n].dtype and torch.equal(t, want[n]) for n, t in streamed),
-            "largest_bucket": manager.largest_bucket_bytes,
+            "largest_bucket": gather.largest_bucket_bytes,
         }
     if rank == world - 1:  # the rank with the short and empty shards
         Path(out).write_text(json.dumps(report))

@@ -17,7 +17,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 from vlmrl.config import load_config  # noqa: E402
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
-from vlmrl.rollout.vllm_engine import sampling_mask  # noqa: E402
+from vlmrl.rollout.sampling import sampling_mask  # noqa: E402
 
 
 def main() -> None:

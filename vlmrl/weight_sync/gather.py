@@ -1,12 +1,13 @@
-"""Moves the actor's weights into the rollout engine after each update, a bucket at a time.
+"""The bucketed all-gather of a FSDP2-sharded model's full weights, as a lazy stream.
 
 Every worker holds its own engine, so every worker needs the full weights. They
 are gathered from the FSDP2 shards in buckets of about ``bucket_bytes`` (one
-all-gather per bucket) and handed to vLLM as a lazy stream: the engine loads
-and repacks each layer as soon as its tensors have arrived, and a bucket is
-gathered only when the engine asks for its first tensor. No worker ever holds a
-second full copy of the model; the extra memory is about two buckets (the
-gathered buffer and the tensors cut from it) plus the layer vLLM is repacking.
+all-gather per bucket) and yielded one tensor at a time; a bucket is gathered
+only when the consumer asks for its first tensor. A consumer that loads each
+tensor as it arrives (vLLM repacks each layer as soon as its tensors are in)
+never makes a worker hold a second full copy of the model; the extra memory is
+about two buckets (the gathered buffer and the tensors cut from it) plus what
+the consumer keeps.
 
 The names are the module's ``state_dict`` names, which for a FSDP2-sharded HF
 VLM are the HF checkpoint names (``model.visual.*``, ``model.language_model.*``,
@@ -14,32 +15,19 @@ VLM are the HF checkpoint names (``model.visual.*``, ``model.language_model.*``,
 
 The all-gathers are collectives: every rank walks the same state dict in the
 same order with the same bucket plan (both depend only on names, shapes and
-dtypes, which all ranks share), and the engine must consume the whole stream.
-If the engine stops early on one rank, the rest of the stream is still
-gathered there so that the other ranks do not hang in a collective.
-
-An optional ``transform`` sits between the gather and the engine: a function
-from the stream of ``(name, full tensor)`` to another such stream (for LoRA,
-merging adapters into their base weights under the HF names). With a
-transform the tensors reach it in the actor's dtype and are cast to the
-rollout dtype after it; without one they are cast before the gather, which
-halves the traffic for a float32 actor and a bfloat16 engine.
+dtypes, which all ranks share), and every rank must consume the whole stream.
+A consumer that stops early (an error on one rank) leaves the other ranks in a
+collective unless the rest is still gathered: ``drain`` does that.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-
-from vlmrl.rollout.vllm_engine import VLLMRollout
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-StreamTransform = Callable[[Iterator[tuple[str, torch.Tensor]]], NamedTensors]
 
 
 def _bucketable(tensor: torch.Tensor) -> bool:
@@ -86,27 +74,19 @@ def plan_buckets(sizes: list[tuple[str, int, object]], bucket_bytes: int) -> lis
     return buckets
 
 
-class FSDPVLLMShardingManager:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        rollout: VLLMRollout,
-        rollout_dtype: torch.dtype,
-        bucket_bytes: int = 512 << 20,
-        transform: StreamTransform | None = None,
-    ):
+class BucketedGather:
+    """Streams a FSDP2-sharded model's full weights, a bucket of about ``bucket_bytes`` per all-gather."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int = 512 << 20):
         self.model = model
-        self.rollout = rollout
-        self.rollout_dtype = rollout_dtype
         self.bucket_bytes = bucket_bytes
-        self.transform = transform
         self.largest_bucket_bytes = 0
-        """Bytes of the largest gathered buffer (all ranks' shards of one bucket) of the last sync."""
+        """Bytes of the largest gathered buffer (all ranks' shards of one bucket) of the last stream."""
 
     # torch.no_grad on a generator function holds for each step of it, not for the consumer between steps;
     # without it the copies out of the parameters would be recorded for autograd.
     @torch.no_grad()
-    def stream_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective, lazy: ``(name, full tensor)`` in state-dict order, gathered a bucket at a time.
 
         ``dtype``: cast before the gather (None keeps each tensor's own dtype).
@@ -166,25 +146,8 @@ class FSDPVLLMShardingManager:
             offset += numel
             yield name, part
 
-    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What the engine loads: the gathered weights, through the transform if any, in the rollout dtype."""
-        if self.transform is None:
-            yield from self.stream_full_weights(self.rollout_dtype)
-            return
-        for name, tensor in self.transform(self.stream_full_weights()):
-            yield name, tensor.to(self.rollout_dtype)
 
-    def sync(self) -> dict[str, float]:
-        """Load the actor's current weights into vLLM (collective); returns the resync's metrics."""
-        start = time.perf_counter()
-        stream = self.weight_stream()
-        try:
-            self.rollout.load_weights(stream)
-        finally:
-            # The engine stopped early (an error): finish the gathers so the other ranks are not left waiting.
-            for _ in stream:
-                pass
-        return {
-            "timing_s/resync_worker": time.perf_counter() - start,
-            "perf/resync_bucket_peak_mb": self.largest_bucket_bytes / 2**20,
-        }
+def drain(stream: Iterator) -> None:
+    """Consume the rest of ``stream``: its remaining all-gathers, which the other ranks are waiting in."""
+    for _ in stream:
+        pass

