@@ -1,36 +1,40 @@
-"""One-GPU smoke check of the actor's passes at full model size, with no download.
+"""One-GPU smoke check of vlmrl's own actor passes at full model size, with no download.
 
     python -m benchmarks.gpu_smoke                  # Qwen2.5-VL-3B shapes, bf16, on the GPU
     python -m benchmarks.gpu_smoke --model 7b       # Qwen2.5-VL-7B shapes
     python -m benchmarks.gpu_smoke --cpu            # tiny shapes, fp32, on the CPU (CI runs this)
+    python -m benchmarks.gpu_smoke KEY=VALUE ...    # any config override, e.g. worker.actor.loss_type=gspo
 
-It needs torch and transformers only: no vLLM, no Ray, no network. It builds a
-randomly initialised Qwen2.5-VL from a config written here (the real model's
-shapes: layers, widths, heads, vocabulary, vision tower), makes synthetic
-image prompts and responses, and runs what the actor does each step:
+No vLLM engine, no Ray, no network: it builds a randomly initialised
+Qwen2.5-VL from a config written here (the real model's shapes: layers,
+widths, heads, vocabulary, vision tower) and then runs vlmrl's code, not a
+copy of it, on synthetic image prompts and responses:
 
-1. **Padding-free log-probs.** The sequences are packed end to end into one
-   row of T tokens, no padding. Each sequence's 3-D rotary positions come from
-   the model's own ``get_rope_index`` on that sequence alone; a fourth row of
-   plain text positions (0..L-1 per sequence) goes in front, which is how
-   transformers' Qwen2.5-VL tells packed sequences apart: with no attention
-   mask, its causal mask (SDPA) or its varlen flash-attention call restarts
-   wherever that row does not step by one. Only the response positions go
-   through ``lm_head``, in chunks, so the (T, vocabulary) logits are never
-   held at once.
-2. **An update micro-step**: the same forward with gradients, a PPO-style
-   clipped loss on the response tokens, backward, and one AdamW step.
+- the prompts are ``PromptSample`` rows with the dataset's rotary positions
+  (``vlmrl.data.positions.MRope``), their responses ``Generation`` records, and
+  ``vlmrl.records.views.build_batch`` makes the padded batch from them, as the
+  worker does after a rollout;
+- the run's settings come from the config (``vlmrl.config.parse_config``) and
+  the plan (``vlmrl.plan.resolve``): padding-free micro-batches, the update's
+  ``UpdateSettings.from_config``, the AdamW of the worker;
+- the model is sharded with FSDP2 as a worker shards it
+  (``vlmrl.train.fsdp_options``), on a process group of one rank;
+- the passes are ``vlmrl.train.actor``'s: ``compute_log_probs`` (the old
+  log-prob pass, one packed row per micro-batch laid out by
+  ``vlmrl.train.packing``), then ``update_policy`` (the registered policy loss
+  of ``vlmrl.algos``, the KL loss, backward, clipping and one AdamW step);
+- the FLOP count and the MFU are ``vlmrl.driver.perf``'s ``FlopsModel`` and
+  ``PerfMeter``, the numbers the run logs as ``perf/mfu`` and
+  ``perf/mfu/actor``: 2 FLOPs per parameter per token for the log-prob pass,
+  6 per epoch for the update (attention's own FLOPs left out); the peak is
+  ``vlmrl.driver.perf.PEAK_FLOPS`` for the GPU (no MFU for a GPU that is not
+  in the table) or, with ``--cpu``, a measured matmul peak.
 
-It prints the seconds, tokens per second and MFU of each, the peak memory, and
-a correctness check: the log-probs of the last packed sequence against the
-same sequence run alone, padded-batch style (attention mask, 3-row positions).
-
-MFU counts model FLOPs (recomputation under gradient checkpointing is not
-counted): 2 FLOPs per parameter per token for the language model's body, the
-vision tower per patch and ``lm_head`` per response token, plus causal
-attention, 2 x L^2 x hidden per layer and sequence; a training pass is 3x a
-forward. The peak is ``vlmrl.driver.perf.PEAK_FLOPS`` for the GPU (no MFU for
-a GPU that is not in the table) or, with ``--cpu``, a measured matmul peak.
+It prints the seconds, tokens per second and MFU of each pass, the peak
+memory, and a correctness check: the packed log-probs of the last sequence in
+the packed row against ``forward_response`` on that sequence alone in the
+padded layout (attention mask, 3-row positions). Exit status: 0 ok, 1 a check
+failed, 2 no GPU visible (without ``--cpu``).
 """
 
 from __future__ import annotations
@@ -38,13 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
-from vlmrl.driver.perf import measure_cpu_peak_flops, peak_flops
+from vlmrl.config import Config, parse_config
+from vlmrl.data.positions import MRope
+from vlmrl.driver.perf import FlopsModel, PerfMeter, measure_cpu_peak_flops, peak_flops
+from vlmrl.plan import Cluster, Plan, resolve
+from vlmrl.records import Batch, PromptSample
+from vlmrl.records.views import build_batch
+from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.rollout.vllm_engine import Generation
+from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, forward_response, update_policy
+from vlmrl.train.fsdp_options import ShardOptions, shard, with_host_collectives
+from vlmrl.workers.hybrid import _adamw, process_group_backend
 
 # Qwen2.5-VL's special token ids (the real tokenizer's).
 QWEN_IDS = {
@@ -139,10 +153,12 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def build_model(
-    shape: str, dtype: torch.dtype, device: torch.device, attn: str
-) -> torch.nn.Module:
-    """A random-init Qwen2.5-VL with the named shapes, built directly on ``device``."""
+def build_model(shape: str, dtype: torch.dtype, device: torch.device, attn: str | None) -> torch.nn.Module:
+    """A random-init Qwen2.5-VL with the named shapes, built directly on ``device``.
+
+    ``attn`` None leaves the attention implementation to transformers, as the
+    worker's ``from_pretrained`` does (SDPA).
+    """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     spec = SHAPES[shape]
@@ -153,11 +169,7 @@ def build_model(
             **text,
             max_position_embeddings=128000,
             rms_norm_eps=1e-6,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1_000_000.0,
-                "mrope_section": mrope_section,
-            },
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
             initializer_range=spec["init_std"],
             **spec["ids"],
             **spec["special"],
@@ -167,9 +179,9 @@ def build_model(
         initializer_range=spec["init_std"],
         **spec["ids"],
     )
-    config._attn_implementation = attn
-    config.text_config._attn_implementation = attn
-    config.vision_config._attn_implementation = attn
+    if attn is not None:
+        for part in (config, config.text_config, config.vision_config):
+            part._attn_implementation = attn
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -180,226 +192,154 @@ def build_model(
     return model.to(dtype)
 
 
-@dataclass
-class Sample:
-    input_ids: torch.Tensor  # (L,)
-    response_start: int  # index of the first response token
-    pixel_values: torch.Tensor  # (patches, 3 x temporal_patch x patch x patch)
-    image_grid_thw: torch.Tensor  # (1, 3)
+def make_generations(
+    model, n: int, prompt_text: int, image_side: int, response: int, generator: torch.Generator
+) -> list[Generation]:
+    """``n`` synthetic one-image prompts and their responses, as the rollout hands them over; lengths vary.
 
-
-def make_samples(
-    model,
-    n: int,
-    prompt_text: int,
-    image_side: int,
-    response: int,
-    generator: torch.Generator,
-) -> list[Sample]:
-    """``n`` synthetic prompts of one image each and their responses, lengths varying by sample.
-
-    Layout: text, <vision_start>, image tokens, <vision_end>, text, response.
+    Layout of a prompt: text, <vision_start>, image tokens, <vision_end>, text.
+    The pixels are random patches given directly as the processor's output, so
+    the rows have no PIL image. Each prompt's positions come from the
+    dataset's ``MRope``, which also checks that its image tokens match its grid.
     """
     config = model.config
     vision = config.vision_config
-    ordinary = (
-        min(config.image_token_id, config.video_token_id, config.vision_start_token_id)
-        - 8
-    )
+    mrope = MRope.from_config(config)
+    ordinary = min(config.image_token_id, config.video_token_id, config.vision_start_token_id) - 8
     patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
-    samples = []
+    merge = vision.spatial_merge_size
+    rand = lambda k: torch.randint(0, ordinary, (k,), generator=generator).tolist()
+    generations = []
     for i in range(n):
         # Lengths vary across samples (as real rollouts do), so packed boundaries are irregular.
-        side = max(
-            2 * vision.spatial_merge_size,
-            image_side - 2 * vision.spatial_merge_size * (i % 2),
-        )
+        side = max(2 * merge, image_side - 2 * merge * (i % 2))
         grid = torch.tensor([[1, side, side]])
-        image_tokens = side * side // vision.spatial_merge_size**2
         before = max(1, prompt_text // 4 + i % 3)
         after = max(1, prompt_text - before - i % 5)
-        response_len = max(2, response - 3 * (i % 4))
-        rand = lambda k: torch.randint(0, ordinary, (k,), generator=generator)
-        ids = torch.cat(
-            [
-                rand(before),
-                torch.tensor([config.vision_start_token_id]),
-                torch.full((image_tokens,), config.image_token_id),
-                torch.tensor([config.vision_end_token_id]),
-                rand(after),
-                rand(response_len),
-            ]
+        head, tail = rand(before), rand(after)
+        image_tokens = [config.image_token_id] * (side * side // merge**2)
+        input_ids = head + [config.vision_start_token_id, *image_tokens, config.vision_end_token_id] + tail
+        # What vLLM sees: one placeholder per image, which it expands itself.
+        raw_prompt_ids = head + [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id] + tail
+        mm_inputs = {"pixel_values": torch.randn(side * side, patch_dim, generator=generator), "image_grid_thw": grid}
+        prompt = PromptSample(
+            index=i,
+            raw_prompt_ids=raw_prompt_ids,
+            input_ids=input_ids,
+            images=[],
+            mm_inputs=mm_inputs,
+            ground_truth="",
+            data_source="gpu_smoke",
+            prompt_text="",
+            position_ids=mrope.positions(input_ids, mm_inputs),
+            uid=f"gpu_smoke:{i}",
         )
-        pixels = torch.randn(side * side, patch_dim, generator=generator)
-        samples.append(Sample(ids, len(ids) - response_len, pixels, grid))
-    return samples
+        tokens = rand(max(2, response - 3 * (i % 4)))
+        generations.append(Generation(prompt, group_id=i, token_ids=tokens, text="", log_probs=None))
+    return generations
 
 
-def rope_index(
-    model, input_ids: torch.Tensor, image_grid_thw: torch.Tensor
-) -> torch.Tensor:
-    """(3, 1, L) Qwen-VL rotary positions of one unpadded sequence, from the model's own code."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types[input_ids == model.config.image_token_id] = 1
-    positions, _ = model.model.get_rope_index(
-        input_ids[None],
-        mm_token_type_ids=types[None],
-        image_grid_thw=image_grid_thw,
-        attention_mask=torch.ones_like(input_ids)[None],
-    )
-    return positions
+def run_config(args: argparse.Namespace, device: torch.device, max_prompt_length: int) -> Config:
+    """The run's config for this micro-batch: one worker, one packed micro-batch per pass, then ``KEY=VALUE``s."""
+    n = args.sequences
+    return parse_config([
+        f"trainer.device={device.type}",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        f"data.rollout_batch_size={n}",
+        "worker.rollout.n=1",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={args.response}",
+        f"worker.actor.global_batch_size={n}",
+        f"worker.actor.micro_batch_size_per_device_for_update={n}",
+        f"worker.actor.micro_batch_size_per_device_for_experience={n}",
+        "worker.actor.padding_free=true",
+        f"worker.actor.model.enable_gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+        f"worker.actor.fsdp.torch_dtype={args.dtype}",
+        *args.overrides,
+    ])  # fmt: skip
 
 
-@dataclass
-class Packed:
-    input_ids: torch.Tensor  # (1, T)
-    position_ids: (
-        torch.Tensor
-    )  # (4, 1, T): text positions, then temporal / height / width
-    pixel_values: torch.Tensor  # (P, patch_dim)
-    image_grid_thw: torch.Tensor  # (images, 3)
-    logit_index: torch.Tensor  # (R,) positions whose logits predict the response tokens
-    targets: torch.Tensor  # (R,) the response tokens
-    seq_lengths: list[int]
-
-    @property
-    def tokens(self) -> int:
-        return self.input_ids.shape[1]
-
-
-def pack(
-    model, samples: list[Sample], device: torch.device, dtype: torch.dtype
-) -> Packed:
-    """Concatenate the samples into one row with per-sequence positions; no padding anywhere."""
-    ids, positions, logit_index, targets = [], [], [], []
-    offset = 0
-    for s in samples:
-        length = len(s.input_ids)
-        mrope = rope_index(
-            model, s.input_ids.to(device), s.image_grid_thw.to(device)
-        )  # (3, 1, L)
-        text = torch.arange(length, device=device).view(1, 1, length)
-        positions.append(torch.cat([text, mrope], dim=0))  # (4, 1, L)
-        ids.append(s.input_ids)
-        # Logits at s-1 .. L-2 predict the response tokens s .. L-1.
-        logit_index.append(
-            torch.arange(offset + s.response_start - 1, offset + length - 1)
-        )
-        targets.append(s.input_ids[s.response_start :])
-        offset += length
-    return Packed(
-        input_ids=torch.cat(ids)[None].to(device),
-        position_ids=torch.cat(positions, dim=2),
-        pixel_values=torch.cat([s.pixel_values for s in samples]).to(device, dtype),
-        image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).to(device),
-        logit_index=torch.cat(logit_index).to(device),
-        targets=torch.cat(targets).to(device),
-        seq_lengths=[len(s.input_ids) for s in samples],
+def make_batch(model, generations: list[Generation], config: Config) -> Batch:
+    """The padded batch of ``generations``, made as the worker makes it after a rollout."""
+    return build_batch(
+        generations,
+        max_prompt_length=config.data.max_prompt_length,
+        max_response_length=config.data.max_response_length,
+        pad_token_id=model.config.text_config.pad_token_id,
+        model=model,
     )
 
 
-def _chunk_log_probs(
-    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    logits = lm_head(hidden).float()  # (c, V)
-    return (
-        torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    )  # (c,)
+def allowed_tokens(model) -> torch.Tensor:
+    """What the rollout may sample: ``sampling_mask`` of a tokenizer that holds the vocabulary and these ids.
 
-
-def response_log_probs(model, packed: Packed, chunk: int = 2048) -> torch.Tensor:
-    """(R,) log-probs of the packed response tokens; ``lm_head`` runs on response positions only.
-
-    With gradients, each chunk is checkpointed, so only its hidden states are kept
-    for the backward pass, never its (chunk, vocabulary) logits.
+    There is no tokenizer here; the stand-in names the vision special tokens by
+    the ids of the shapes, so the mask is the one the worker would make.
     """
-    hidden = model.model(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=None,  # packing: the text-position row marks the sequence boundaries
-        pixel_values=packed.pixel_values,
-        image_grid_thw=packed.image_grid_thw,
-        use_cache=False,
-    ).last_hidden_state[0]  # (T, H)
-    selected = hidden[packed.logit_index]  # (R, H)
-    parts = []
-    for start in range(0, len(selected), chunk):
-        h, t = selected[start : start + chunk], packed.targets[start : start + chunk]
-        if torch.is_grad_enabled():
-            parts.append(
-                torch.utils.checkpoint.checkpoint(
-                    _chunk_log_probs, model.lm_head, h, t, use_reentrant=False
-                )
-            )
-        else:
-            parts.append(_chunk_log_probs(model.lm_head, h, t))
-    return torch.cat(parts)
+    config = model.config
+    ids = {
+        "<|vision_start|>": config.vision_start_token_id,
+        "<|vision_end|>": config.vision_end_token_id,
+        "<|image_pad|>": config.image_token_id,
+        "<|video_pad|>": config.video_token_id,
+    }
+    # A name sampling_mask does not know would leave its token allowed without a word.
+    unknown = set(ids) - set(VISION_SPECIAL_TOKENS)
+    if unknown:
+        raise RuntimeError(f"gpu_smoke: {sorted(unknown)} are not in VISION_SPECIAL_TOKENS")
+    vocab_size = config.text_config.vocab_size
+
+    class Vocabulary:
+        def __len__(self) -> int:
+            return vocab_size
+
+        def get_vocab(self) -> dict[str, int]:
+            return ids
+
+    return sampling_mask(Vocabulary(), vocab_size)
 
 
-@torch.no_grad()
-def unpacked_log_probs(
-    model, sample: Sample, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """The same sequence alone, as a padded batch of one runs it: attention mask, 3-row positions."""
-    ids = sample.input_ids.to(device)[None]
-    out = model(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        position_ids=rope_index(model, ids[0], sample.image_grid_thw.to(device)),
-        pixel_values=sample.pixel_values.to(device, dtype),
-        image_grid_thw=sample.image_grid_thw.to(device),
-        use_cache=False,
-    )
-    logits = out.logits[0, sample.response_start - 1 : -1].float()
-    return (
-        torch.log_softmax(logits, dim=-1)
-        .gather(-1, ids[0, sample.response_start :, None])
-        .squeeze(-1)
-    )
+def shard_like_a_worker(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
+    """FSDP2 over a process group of one rank, with the worker's backend, mesh and ``ShardOptions``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        backend = with_host_collectives(process_group_backend(device.type), config)
+        # One rank has no one to meet: an in-process store, no port or file to pick.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,))
+    options = ShardOptions.from_config(config.worker.actor.fsdp, device.type)
+    return shard(model, list(getattr(model, "_no_split_modules", None) or []), mesh, options)
 
 
-def clipped_policy_loss(
-    log_probs, old_log_probs, advantages, clip: float = 0.2
-) -> torch.Tensor:
-    """PPO's clipped surrogate, token mean; all (R,)."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    return -torch.minimum(
-        ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages
-    ).mean()
+def last_packed_vs_alone(
+    model, batch: Batch, batching: MicroBatching, allowed: torch.Tensor, log_probs: torch.Tensor
+) -> tuple[float, int]:
+    """Max |difference| between the packed log-probs of the last sequence of the last packed row and
+    ``forward_response`` on that sequence alone, padded layout; and its response tokens.
 
-
-# ------------------------------------------------------------------ FLOPs
+    The last sequence of a packed row is the one that any leak across packed
+    sequences (a missing boundary, wrong positions) would reach.
+    """
+    row = batching.groups(batch)[-1][-1]
+    alone, _ = forward_response(model, batch.select([row]), allowed, padding_free=False)
+    mask = batch.response_mask[row].bool()
+    diff = (log_probs[row][mask] - alone[0].cpu()[mask]).abs()
+    return float(diff.max()), int(mask.sum())
 
 
 def parameter_counts(model) -> dict[str, int]:
+    """For the report: where the parameters are (the FLOP count uses the total)."""
     count = lambda module: sum(p.numel() for p in module.parameters())
     language = model.model.language_model
-    embed = language.embed_tokens.weight.numel()
     return {
         "total": count(model),
-        "lm_body": count(language) - embed,
+        "lm_body": count(language) - language.embed_tokens.weight.numel(),
         "lm_head": model.lm_head.weight.numel(),
         "vision": count(model.model.visual),
     }
-
-
-def forward_flops(model, packed: Packed) -> float:
-    """Model FLOPs of one forward over the packed batch (see the module docstring)."""
-    params = parameter_counts(model)
-    text = model.config.text_config
-    attention = sum(
-        2 * length**2 * text.hidden_size * text.num_hidden_layers
-        for length in packed.seq_lengths
-    )
-    return (
-        2.0
-        * (
-            params["lm_body"] * packed.tokens
-            + params["lm_head"] * len(packed.targets)
-            + params["vision"] * packed.pixel_values.shape[0]
-        )
-        + attention
-    )
 
 
 # ------------------------------------------------------------------ main
@@ -425,54 +365,28 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, object]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--cpu",
-        action="store_true",
-        help="tiny shapes in fp32 on the CPU (the CI check of this script)",
-    )
-    p.add_argument(
-        "--model",
-        choices=sorted(SHAPES),
-        help="shapes to build (default: 3b on GPU, tiny with --cpu)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float32"],
-        help="default: bfloat16 on GPU, float32 with --cpu",
-    )
-    p.add_argument(
-        "--attn",
-        default="auto",
-        help="sdpa, flash_attention_2, ... (auto: flash_attention_2 if installed, else sdpa)",
-    )
-    p.add_argument(
-        "--sequences",
-        type=int,
-        help="sequences in the micro-batch (default 16 on GPU, 4 with --cpu)",
-    )
-    p.add_argument(
-        "--prompt-text",
-        type=int,
-        help="text tokens of a prompt besides the image (default 128; 12 with --cpu)",
-    )
-    p.add_argument(
-        "--image-side",
-        type=int,
-        help="image side in patches of 14 px (default 32 = 448 px; 4 with --cpu)",
-    )
-    p.add_argument(
-        "--response", type=int, help="response tokens (default 512; 16 with --cpu)"
-    )
-    p.add_argument(
-        "--iters", type=int, help="timed repetitions (default 3; 1 with --cpu)"
-    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, applied after the "
+                   "smoke check's own (e.g. worker.actor.padding_free=false)")  # fmt: skip
+    p.add_argument("--cpu", action="store_true", help="tiny shapes in fp32 on the CPU (the CI check of this script)")
+    p.add_argument("--model", choices=sorted(SHAPES), help="shapes to build (default: 3b on GPU, tiny with --cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on GPU, float32 with --cpu")
+    p.add_argument("--attn", help="sdpa, flash_attention_2, ... (default: transformers' choice, as vlmrl's "
+                   "from_pretrained makes it: sdpa)")  # fmt: skip
+    p.add_argument("--sequences", type=int, help="sequences in the micro-batch (default 16 on GPU, 4 with --cpu)")
+    p.add_argument("--prompt-text", type=int,
+                   help="text tokens of a prompt besides the image (default 128; 12 with --cpu)")  # fmt: skip
+    p.add_argument("--image-side", type=int,
+                   help="image side in patches of 14 px (default 32 = 448 px; 4 with --cpu)")  # fmt: skip
+    p.add_argument("--response", type=int, help="response tokens (default 512; 16 with --cpu)")
+    p.add_argument("--iters", type=int, help="timed repetitions (default 3; 1 with --cpu)")
     p.add_argument("--warmup", type=int, help="untimed repetitions first (default 1; 0 with --cpu, where the run only "
                    "has to show that the code works)")  # fmt: skip
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute the layers in the backward pass (default: on for GPU sizes, off with --cpu)")  # fmt: skip
+                   help="recompute the layers in the backward pass (default: on for GPU sizes, off with --cpu)")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard the model with FSDP2 on one rank, as a worker does (default: on)")  # fmt: skip
     p.add_argument("--tolerance", type=float, help="largest allowed |packed - alone| log-prob difference "
                    "(default 1e-4 in fp32, 0.1 in bf16)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="with --cpu: torch threads (default 1; on a shared, "
@@ -498,9 +412,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.tolerance is None:
         args.tolerance = 1e-4 if args.dtype == "float32" else 0.1
     if args.image_side % 2:
-        p.error(
-            f"--image-side={args.image_side}: must be even (the vision tower merges 2 x 2 patches)"
-        )
+        p.error(f"--image-side={args.image_side}: must be even (the vision tower merges 2 x 2 patches)")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        p.error(f"expected KEY=VALUE config overrides, got {bad}")
     return args
 
 
@@ -511,123 +426,112 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     else:
         print("gpu_smoke: no CUDA device is visible; run on a GPU machine, or pass --cpu for the tiny CPU check",
               file=sys.stderr)  # fmt: skip
         return 2
     dtype = getattr(torch, args.dtype)
-    attn = args.attn
-    if attn == "auto":
-        import importlib.util
-
-        attn = (
-            "flash_attention_2"
-            if device.type == "cuda" and importlib.util.find_spec("flash_attn")
-            else "sdpa"
-        )
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
 
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
         peak = peak_flops(device_name)
-        peak_source = (
-            "from vlmrl.driver.perf.PEAK_FLOPS"
-            if peak
-            else "not in PEAK_FLOPS, so no MFU"
-        )
+        peak_source = "from vlmrl.driver.perf.PEAK_FLOPS" if peak else "not in PEAK_FLOPS, so no MFU"
     else:
         threads = torch.get_num_threads()
         device_name = f"cpu ({threads} thread{'s' if threads > 1 else ''})"
-        peak, peak_source = (
-            measure_cpu_peak_flops(threads, dtype),
-            f"measured, {args.dtype} matmul",
-        )
+        peak, peak_source = measure_cpu_peak_flops(threads, dtype), f"measured, {args.dtype} matmul"
 
     # Imported first (several seconds), so that the build time below is the build's alone.
     from transformers import Qwen2_5_VLForConditionalGeneration  # noqa: F401
 
     start = time.perf_counter()
-    model = build_model(args.model, dtype, device, attn)
+    model = build_model(args.model, dtype, device, args.attn)
     params = parameter_counts(model)
+    generations = make_generations(model, args.sequences, args.prompt_text, args.image_side, args.response, generator)
+    config = run_config(args, device, max(len(g.prompt.input_ids) for g in generations))
+    plan: Plan = resolve(config, Cluster(gpus=int(device.type == "cuda"), cpus=os.cpu_count() or 1))
+    actor = config.worker.actor
+    if args.fsdp:
+        model = shard_like_a_worker(model, config, device)
+    if actor.model.enable_gradient_checkpointing:  # after sharding, as the worker does
+        model.gradient_checkpointing_enable()
+    attn = model.config._attn_implementation
     print(
         f"gpu_smoke: Qwen2.5-VL-{args.model} shapes, random init in {time.perf_counter() - start:.1f} s: "
         f"{_count(params['total'])} parameters (language body {_count(params['lm_body'])}, "
         f"lm_head {_count(params['lm_head'])}, vision {_count(params['vision'])}), {args.dtype}, "
-        f"attention {attn}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
+        f"attention {attn}, gradient checkpointing {'on' if actor.model.enable_gradient_checkpointing else 'off'}, "
+        f"{'FSDP2 (one rank)' if args.fsdp else 'not sharded'}",
         flush=True,
     )
     shown_peak = f"{peak / 1e12:.1f} TFLOP/s" if peak else "unknown"
+    print(f"gpu_smoke: device {device_name}, peak {shown_peak} ({peak_source})", flush=True)
+
+    batch = make_batch(model, generations, config)
+    allowed = allowed_tokens(model)
+    experience = MicroBatching(actor.micro_batch_size_per_device_for_experience, plan.experience_token_budget,
+                               actor.padding_free)  # fmt: skip  (the worker's experience batching)
+    settings = UpdateSettings.from_config(config, plan)
+    tokens = int(batch.attention_mask.sum())
+    response_tokens = int(batch.response_mask.sum())
+    lengths = batch.attention_mask.sum(dim=1)
+    image_tokens = int((batch.input_ids == model.config.image_token_id).sum())
+    patches = sum(int(mm["pixel_values"].shape[0]) for mm in batch.mm_inputs)
+    layout = "packed into one row per micro-batch" if actor.padding_free else "padded, trimmed"
     print(
-        f"gpu_smoke: device {device_name}, peak {shown_peak} ({peak_source})",
+        f"gpu_smoke: {len(batch)} sequences, {tokens} tokens ({image_tokens} image tokens from {patches} patches, "
+        f"{response_tokens} response tokens, lengths {int(lengths.min())}-{int(lengths.max())}) in a "
+        f"{tuple(batch.input_ids.shape)} batch from build_batch; {len(experience.groups(batch))} log-prob and "
+        f"{len(settings.batching.groups(batch))} update micro-batch(es), {layout}",
         flush=True,
     )
+    # The same count as the run's perf/mfu: the pass that ran is timed under the loop's name for it.
+    meter = PerfMeter(plan.world_size, peak, FlopsModel(params["total"], ppo_epochs=settings.ppo_epochs))
 
-    samples = make_samples(
-        model,
-        args.sequences,
-        args.prompt_text,
-        args.image_side,
-        args.response,
-        generator,
-    )
-    packed = pack(model, samples, device, dtype)
-    image_tokens = int((packed.input_ids == model.config.image_token_id).sum())
-    print(
-        f"gpu_smoke: {len(samples)} sequences packed into one row of {packed.tokens} tokens "
-        f"({image_tokens} image tokens from {packed.pixel_values.shape[0]} patches, {len(packed.targets)} response "
-        f"tokens, lengths {min(packed.seq_lengths)}-{max(packed.seq_lengths)}), no padding",
-        flush=True,
-    )
-    flops = forward_flops(model, packed)
-
-    # 1. Log-prob pass (old / reference log-probs).
+    # 1. The old-log-prob pass.
     model.eval()
-    with torch.no_grad():
-        for _ in range(args.warmup):
-            response_log_probs(model, packed)
-        logprob_s, old_log_probs = _timed(
-            lambda: response_log_probs(model, packed), device, args.iters
-        )
-    alone = unpacked_log_probs(model, samples[-1], device, dtype)
-    packed_last = old_log_probs[-len(alone) :]
-    diff = float((packed_last - alone).abs().max())
-
-    # 2. Update micro-step: forward + backward + AdamW.
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    advantages = torch.randn(len(packed.targets), generator=generator).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
-
-    def update_step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        log_probs = response_log_probs(model, packed)
-        loss = clipped_policy_loss(log_probs, old_log_probs, advantages)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss.detach()
-
     for _ in range(args.warmup):
-        update_step()  # (the first also allocates the optimizer state)
-    update_s, loss = _timed(update_step, device, args.iters)
+        compute_log_probs(model, batch, experience, allowed)
+    logprob_s, (old_log_probs, _) = _timed(lambda: compute_log_probs(model, batch, experience, allowed), device,
+                                           args.iters)  # fmt: skip
+    with torch.no_grad():
+        diff, checked = last_packed_vs_alone(model, batch, experience, allowed, old_log_probs)
 
+    # 2. The update: vlmrl's policy loss (and KL loss) on random advantages, backward, clipping, one AdamW step.
+    batch.old_log_probs = old_log_probs
+    # Before the first update the reference model is the actor, so its log-probs are the old ones.
+    batch.ref_log_probs = old_log_probs.clone()
+    batch.advantages = torch.randn(batch.responses.shape, generator=generator) * batch.response_mask
+    optimizer = _adamw(model, actor.optim)
+    for _ in range(args.warmup):
+        update_policy(model, optimizer, batch, settings, allowed)  # (the first also allocates the optimizer state)
+    update_s, update = _timed(lambda: update_policy(model, optimizer, batch, settings, allowed), device, args.iters)
+
+    logprob_mfu = meter.metrics(batch, {"step": logprob_s, "old": logprob_s}).get("perf/mfu")
+    update_mfu = meter.metrics(batch, {"step": update_s, "update_actor": update_s}).get("perf/mfu/actor")
+    loss = update.metrics.get("actor/pg_loss", math.nan)
     results = {
         "model": args.model,
         "dtype": args.dtype,
         "attention": attn,
+        "fsdp": args.fsdp,
         "device": device_name,
-        "tokens": packed.tokens,
-        "response_tokens": len(packed.targets),
+        "parameters": params["total"],
+        "peak_flops": peak,
+        "tokens": tokens,
+        "response_tokens": response_tokens,
         "logprob_seconds": logprob_s,
-        "logprob_tokens_per_s": packed.tokens / logprob_s,
+        "logprob_tokens_per_s": tokens / logprob_s,
         "update_seconds": update_s,
-        "update_tokens_per_s": packed.tokens / update_s,
-        "logprob_mfu": flops / (logprob_s * peak) if peak else None,
-        "update_mfu": 3 * flops / (update_s * peak) if peak else None,
+        "update_tokens_per_s": tokens / update_s,
+        "logprob_mfu": logprob_mfu,
+        "update_mfu": update_mfu,
         "packed_vs_alone_max_abs_diff": diff,
-        "loss": float(loss),
+        "loss": loss,
+        "update_metrics": update.metrics,
     }
     if device.type == "cuda":
         results["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -637,21 +541,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"gpu_smoke: logprob seconds={logprob_s:.4f} tokens_per_s={results['logprob_tokens_per_s']:.1f} "
-        f"mfu={mfu(results['logprob_mfu'])}",
+        f"mfu={mfu(logprob_mfu)} (compute_log_probs)",
         flush=True,
     )
     print(
         f"gpu_smoke: update seconds={update_s:.4f} tokens_per_s={results['update_tokens_per_s']:.1f} "
-        f"mfu={mfu(results['update_mfu'])} (forward + backward + AdamW step)",
+        f"mfu={mfu(update_mfu)} (update_policy: forward + backward + AdamW step)",
         flush=True,
     )
     if "peak_memory_gib" in results:
-        print(
-            f"gpu_smoke: peak memory {results['peak_memory_gib']:.1f} GiB", flush=True
-        )
+        print(f"gpu_smoke: peak memory {results['peak_memory_gib']:.1f} GiB", flush=True)
     print(
         f"gpu_smoke: check: last packed sequence vs the same sequence alone, max |log-prob difference| "
-        f"{diff:.2e} over {len(alone)} tokens (tolerance {args.tolerance:g})",
+        f"{diff:.2e} over {checked} tokens (tolerance {args.tolerance:g})",
         flush=True,
     )
     if args.json:
@@ -659,15 +561,19 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=2)
     problems = []
     if not diff <= args.tolerance:
-        problems.append(
-            f"packed log-probs differ from the unpacked ones by {diff:.3g} > {args.tolerance:g}"
-        )
-    if not math.isfinite(results["loss"]):
-        problems.append(f"the update's loss is {results['loss']}")
+        problems.append(f"packed log-probs differ from the unpacked ones by {diff:.3g} > {args.tolerance:g}")
+    if not math.isfinite(loss):
+        problems.append(f"the update's loss is {loss}")
+    if update.metrics.get("actor/skipped_steps"):
+        problems.append("the update skipped its optimizer step (a non-finite gradient norm)")
     for problem in problems:
         print(f"gpu_smoke: FAILED: {problem}", file=sys.stderr, flush=True)
     if not problems:
         print("gpu_smoke: ok", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 1 if problems else 0
 
 

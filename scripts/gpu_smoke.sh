@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One-GPU smoke check: a random-init Qwen2.5-VL-3B-shaped model (no download),
-# the actor's padding-free log-prob pass and an update micro-step in bf16;
-# prints tokens/s, MFU, peak memory and a packed-vs-unpacked log-prob check.
-# Needs torch and transformers only (no vLLM, no Ray, no network).
+# One-GPU smoke check of vlmrl's own actor passes: a random-init
+# Qwen2.5-VL-3B-shaped model (no download), sharded with FSDP2 as a worker
+# shards it; vlmrl's padding-free log-prob pass (compute_log_probs) and one
+# policy update (update_policy) on a batch made by build_batch, in bf16.
+# Prints tokens/s, MFU (vlmrl.driver.perf's count), peak memory and a
+# packed-vs-alone log-prob check. No vLLM engine, no Ray, no network.
 #
 #   bash scripts/gpu_smoke.sh                  # Qwen2.5-VL-3B shapes on GPU 0
 #   bash scripts/gpu_smoke.sh --model 7b       # 7B shapes
 #   bash scripts/gpu_smoke.sh --cpu            # tiny shapes on the CPU (CI)
+#   bash scripts/gpu_smoke.sh KEY=VALUE ...    # config overrides, e.g. worker.actor.loss_type=gspo
 #   bash scripts/gpu_smoke.sh --help           # all options
 #
 # Exit status: 0 ok, 1 a check failed, 2 no GPU visible (without --cpu).

@@ -1,4 +1,4 @@
-"""scripts/gpu_smoke.sh in its CPU mode, and the packing check it relies on.
+"""scripts/gpu_smoke.sh in its CPU mode, and that what it checks is vlmrl's own code.
 
 The GPU run itself (Qwen2.5-VL-3B shapes in bf16) needs a GPU and is not run
 here; these tests keep the same code path working at tiny shapes.
@@ -23,11 +23,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_smoke
+from vlmrl.train import packing
+from vlmrl.train.actor import MicroBatching, compute_log_probs
 
-LINE = re.compile(
-    r"^gpu_smoke: (logprob|update) seconds=(\S+) tokens_per_s=(\S+) mfu=(\S+)",
-    re.MULTILINE,
-)
+LINE = re.compile(r"^gpu_smoke: (logprob|update) seconds=(\S+) tokens_per_s=(\S+) mfu=(\S+)", re.MULTILINE)
 
 
 def test_cpu_mode_prints_finite_positive_throughput_and_mfu(tmp_path):
@@ -38,24 +37,27 @@ def test_cpu_mode_prints_finite_positive_throughput_and_mfu(tmp_path):
         check=False,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = {
-        m.group(1): [float(v) for v in m.group(2, 3, 4)]
-        for m in LINE.finditer(proc.stdout)
-    }
+    found = {m.group(1): [float(v) for v in m.group(2, 3, 4)] for m in LINE.finditer(proc.stdout)}
     assert set(found) == {"logprob", "update"}, proc.stdout
     for phase, numbers in found.items():
         assert all(math.isfinite(x) and x > 0 for x in numbers), (phase, numbers)
-    assert "gpu_smoke: ok" in proc.stdout
+    assert "gpu_smoke: ok" in proc.stdout and "FSDP2" in proc.stdout
     results = json.loads(out.read_text())
     assert results["tokens"] > results["response_tokens"] > 0
-    assert results["logprob_tokens_per_s"] == pytest.approx(
-        found["logprob"][1], rel=1e-3
-    )
+    assert results["logprob_tokens_per_s"] == pytest.approx(found["logprob"][1], rel=1e-3)
     assert results["packed_vs_alone_max_abs_diff"] < 1e-4
+    # The MFU is vlmrl.driver.perf's count: the log-prob pass is one forward, 2 FLOPs per parameter per
+    # token; the update (1 epoch) forward + backward, 6.
+    n, t, peak = results["parameters"], results["tokens"], results["peak_flops"]
+    assert results["logprob_mfu"] == pytest.approx(2 * n * t / (results["logprob_seconds"] * peak))
+    assert results["update_mfu"] == pytest.approx(6 * n * t / (results["update_seconds"] * peak))
+    # update_policy ran: its own metrics, one optimizer step that was not skipped.
+    assert results["update_metrics"]["actor/skipped_steps"] == 0
+    assert results["update_metrics"]["actor/micro_batches"] == 1
 
 
 def test_no_gpu_without_cpu_flag_is_a_clear_error(monkeypatch, capsys):
@@ -64,62 +66,62 @@ def test_no_gpu_without_cpu_flag_is_a_clear_error(monkeypatch, capsys):
     assert "--cpu" in capsys.readouterr().err
 
 
+def test_the_script_carries_no_copy_of_vlmrl_passes():
+    """The packing, the log-probs, the loss and the FLOP count are vlmrl's, imported, not re-written here."""
+    source = Path(gpu_smoke.__file__).read_text()
+    for copied in ("log_softmax", "get_rope_index", "torch.exp(", "fully_shard(", "def pack"):
+        assert copied not in source, copied
+    assert gpu_smoke.compute_log_probs is compute_log_probs
+    assert gpu_smoke.FlopsModel.__module__ == "vlmrl.driver.perf"
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    cpu, fp32 = torch.device("cpu"), torch.float32
-    model = gpu_smoke.build_model("tiny", fp32, cpu, "sdpa").eval()
-    samples = gpu_smoke.make_samples(
-        model, 3, 12, 4, 8, torch.Generator().manual_seed(0)
-    )
-    packed = gpu_smoke.pack(model, samples, cpu, fp32)
-    alone = gpu_smoke.unpacked_log_probs(model, samples[-1], cpu, fp32)
-    return model, packed, alone
+    torch.manual_seed(0)
+    args = gpu_smoke.parse_args(["--cpu", "--sequences", "3", "--response", "8"])
+    model = gpu_smoke.build_model("tiny", torch.float32, torch.device("cpu"), None).eval()
+    generations = gpu_smoke.make_generations(model, 3, 12, 4, 8, torch.Generator().manual_seed(0))
+    config = gpu_smoke.run_config(args, torch.device("cpu"), max(len(g.prompt.input_ids) for g in generations))
+    batch = gpu_smoke.make_batch(model, generations, config)
+    batching = MicroBatching(len(batch), None, padding_free=True)
+    return model, generations, batch, batching, gpu_smoke.allowed_tokens(model)
 
 
-def _last_sequence_error(model, packed, alone) -> float:
+def _last_sequence_error(model, batch, batching, allowed) -> float:
     with torch.no_grad():
-        return float(
-            (gpu_smoke.response_log_probs(model, packed)[-len(alone) :] - alone)
-            .abs()
-            .max()
-        )
+        log_probs, _ = compute_log_probs(model, batch, batching, allowed)
+        return gpu_smoke.last_packed_vs_alone(model, batch, batching, allowed, log_probs)[0]
+
+
+def test_the_batch_is_build_batchs_and_packs_without_padding(tiny):
+    model, generations, batch, _, allowed = tiny
+    # Each row holds its prompt and its response, and packing keeps exactly those tokens, in one row.
+    lengths = [len(g.prompt.input_ids) + len(g.token_ids) for g in generations]
+    assert batch.attention_mask.sum(dim=1).tolist() == lengths
+    assert batch.response_mask.sum(dim=1).tolist() == [len(g.token_ids) for g in generations]
+    packed = packing.pack(batch)
+    assert tuple(packed.input_ids.shape) == (1, sum(lengths)) and len(packed.targets) == len(packed.logit_index)
+    # The rollout's ban (sampling_mask): the four vision special tokens of the shapes get no probability.
+    config = model.config
+    banned = [config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id]
+    assert not allowed[banned].any() and int(allowed.sum()) == config.text_config.vocab_size - 4
 
 
 def test_packed_log_probs_match_each_sequence_alone(tiny):
-    model, packed, alone = tiny
-    assert packed.input_ids.shape[0] == 1 and packed.tokens == sum(
-        packed.seq_lengths
-    )  # one row, no padding
-    assert len(packed.targets) == len(packed.logit_index)
-    assert _last_sequence_error(model, packed, alone) < 1e-4
+    model, _, batch, batching, allowed = tiny
+    assert _last_sequence_error(model, batch, batching, allowed) < 1e-4
 
 
-def test_the_check_catches_leaking_attention_and_wrong_positions(tiny):
-    """The smoke check is only worth something if the usual packing mistakes fail it."""
-    model, packed, alone = tiny
+def test_the_check_catches_leaking_attention_and_wrong_positions(tiny, monkeypatch):
+    """The smoke check is only worth something if vlmrl's packing, broken in the usual ways, fails it."""
+    model, _, batch, batching, allowed = tiny
+    pack = packing.pack
     # Without the text-position row, transformers cannot see the boundaries and the
     # last sequence attends to the ones before it.
-    no_boundaries = dataclasses.replace(packed, position_ids=packed.position_ids[1:])
+    no_boundaries = lambda b: dataclasses.replace(pack(b), position_ids=pack(b).position_ids[1:])
     # Plain 1-D positions in every rotary row: the image tokens lose their 2-D layout.
-    flat = dataclasses.replace(
-        packed, position_ids=packed.position_ids[:1].expand(4, -1, -1).contiguous()
-    )
+    flat = lambda b: dataclasses.replace(pack(b), position_ids=pack(b).position_ids[:1].expand(4, -1, -1).contiguous())
     for wrong in (no_boundaries, flat):
-        assert _last_sequence_error(model, wrong, alone) > 1e-3
-
-
-def test_flops_count_attention_per_sequence(tiny):
-    model, packed, _ = tiny
-    text = model.config.text_config
-    one_long = dataclasses.replace(packed, seq_lengths=[packed.tokens])
-    # The same tokens as one sequence cost more attention: (sum L)^2 > sum L^2.
-    extra = (
-        2
-        * text.hidden_size
-        * text.num_hidden_layers
-        * (packed.tokens**2 - sum(n**2 for n in packed.seq_lengths))
-    )
-    assert gpu_smoke.forward_flops(model, one_long) - gpu_smoke.forward_flops(
-        model, packed
-    ) == pytest.approx(extra)
+        monkeypatch.setattr(packing, "pack", wrong)
+        assert _last_sequence_error(model, batch, batching, allowed) > 1e-3

@@ -2,15 +2,25 @@
 
 MFU (model FLOPs utilisation) here is an estimate, in the usual way: a
 forward pass costs about 2 x parameters FLOPs per token and a training pass
-(forward + backward) about 6 x, so one GRPO step costs
+(forward + backward) about 6 x. A step counts only the passes that ran in it,
+read from the step's timings (a phase is timed only when it runs), so one step
+costs
 
-    N x T x (2 [rollout] + 2 [old log-probs] + 2 [reference, if used] + 6 x ppo_epochs [update])
+    N x T x (2 [rollout, "gen"]
+             + 2 [old log-probs, "old": not when the update's forward gives them]
+             + 2 [reference log-probs, "ref": only with a reference model]
+             + 6 x ppo_epochs [actor update, "update_actor": not during critic warm-up])
+    + N_c x T x (2 [values, "values"] + 6 x critic ppo_epochs [critic update, "update_critic"])
 
-for N parameters and T tokens (prompt + response, image tokens included, over
-all samples of the step). Attention's own FLOPs, the vision tower's patches
-before merging and the prefix caching of the rollout are left out.
+for N actor parameters, N_c critic parameters (GAE only: the critic's
+checkpoint less its LM head) and T tokens (prompt + response, image tokens
+included, over all samples of the step's batch). Attention's own FLOPs, the
+vision tower's patches before merging, the prefix caching of the rollout and
+generation whose samples the batch does not keep (online filtering's dropped
+groups, ReMax's greedy baseline) are left out.
 ``perf/mfu`` divides that by (seconds of the step x workers x peak FLOP/s of one
-device); ``perf/mfu/actor`` does the same for the update pass alone.
+device); ``perf/mfu/actor`` and ``perf/mfu/critic`` do the same for the actor's
+and the critic's update pass alone.
 
 The peak of a GPU comes from ``PEAK_FLOPS`` (dense bf16 tensor-core figures from
 the vendors' datasheets); a GPU not in the table gets no MFU. On CPU the
@@ -25,6 +35,7 @@ import math
 import os
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,8 +106,13 @@ def measure_cpu_peak_flops(
         torch.set_num_threads(previous)
 
 
-def count_parameters(model_path: str | Path) -> int | None:
-    """Parameters in a HF model directory, read from its safetensors headers (no weights are loaded)."""
+def count_parameters(model_path: str | Path, without_lm_head: bool = False) -> int | None:
+    """Parameters in a HF model directory, read from its safetensors headers (no weights are loaded).
+
+    ``without_lm_head`` leaves out the ``lm_head`` tensors: the critic loads the
+    checkpoint without them (a value head in their place). A tied ``lm_head`` is
+    not in the file, so there is nothing to leave out.
+    """
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         return None
@@ -105,7 +121,10 @@ def count_parameters(model_path: str | Path) -> int | None:
         with file.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+        for name, tensor in header.items():
+            if name == "__metadata__" or (without_lm_head and ".lm_head." in f".{name}"):
+                continue
+            total += math.prod(tensor["shape"])
     return total
 
 
@@ -128,17 +147,38 @@ def accelerator_name() -> str | None:
 
 @dataclass(frozen=True)
 class FlopsModel:
+    """Model FLOPs of the step's passes, from the parameter counts (see the module docstring)."""
+
     num_params: int
-    ppo_epochs: int
-    use_reference: bool
+    """N: the actor's parameters (the reference model has the same architecture)."""
+    ppo_epochs: int = 1
+    """The actor update's passes over the batch."""
+    critic_params: int = 0
+    """N_c: the critic's parameters; 0 without a critic."""
+    critic_ppo_epochs: int = 1
 
-    def step_flops(self, tokens: int) -> float:
-        """Rollout, old log-probs, reference log-probs (if used) and the updates."""
-        forward_passes = 3 if self.use_reference else 2
-        return self.num_params * tokens * (2 * forward_passes + 6 * self.ppo_epochs)
+    def per_token(self) -> dict[str, float]:
+        """FLOPs per token of each model pass, keyed by the name the step loop times it under."""
+        n, n_c = self.num_params, self.critic_params
+        return {
+            "gen": 2 * n,
+            "old": 2 * n,
+            "ref": 2 * n,
+            "values": 2 * n_c,
+            "update_critic": 6 * n_c * self.critic_ppo_epochs,
+            "update_actor": 6 * n * self.ppo_epochs,
+        }
 
-    def update_flops(self, tokens: int) -> float:
-        return 6 * self.num_params * tokens * self.ppo_epochs
+    def pass_flops(self, tokens: int, timings: Mapping[str, float]) -> dict[str, float]:
+        """FLOPs of each model pass in ``timings``, by its name.
+
+        The loop times a phase only when it runs, so a pass missing from
+        ``timings`` did not run and costs nothing: the old-log-prob pass when
+        the update's own forward gives the old log-probs, the actor update
+        during critic warm-up. Phases that are not model passes (``reward``,
+        ``adv``, ``update_weights``, ...) are not counted.
+        """
+        return {name: flops * tokens for name, flops in self.per_token().items() if name in timings}
 
 
 class PerfMeter:
@@ -149,12 +189,18 @@ class PerfMeter:
 
     @classmethod
     def for_run(cls, config: Config, plan: Plan) -> PerfMeter:
-        """Look up (GPU) or measure (CPU) the device's peak, count the model's parameters, and say so."""
-        model_path = config.worker.actor.model.model_path
-        num_params = count_parameters(model_path)
+        """Look up (GPU) or measure (CPU) the device's peak, count the models' parameters, and say so."""
+        num_params = count_parameters(plan.model_path)
+        critic_params = count_parameters(plan.critic_model_path, without_lm_head=True) if plan.use_critic else 0
         flops = None
-        if num_params:
-            flops = FlopsModel(num_params, config.worker.actor.ppo_epochs, plan.use_reference)
+        # An unknown count (no safetensors) gives no MFU rather than one that leaves passes out.
+        if num_params and (critic_params or not plan.use_critic):
+            flops = FlopsModel(
+                num_params,
+                ppo_epochs=config.worker.actor.ppo_epochs,
+                critic_params=critic_params,
+                critic_ppo_epochs=config.worker.critic.ppo_epochs,
+            )
         gpu = accelerator_name()
         if gpu is not None:
             peak, device = peak_flops(gpu), gpu
@@ -166,13 +212,17 @@ class PerfMeter:
             peak = measure_cpu_peak_flops(threads, dtype)
             device, source = f"cpu ({threads} threads)", f"measured, {dtype}"
         shown = f"{peak / 1e9:.1f} GFLOP/s" if peak else "unknown"
-        params = (
-            f"{num_params / 1e6:.2f}M parameters" if num_params else "parameters unknown (no safetensors), so no MFU"
-        )
+        if flops is None:
+            params = "parameters unknown (no safetensors), so no MFU"
+        else:
+            params = f"{num_params / 1e6:.2f}M parameters"
+            if plan.use_critic:
+                params += f", critic {critic_params / 1e6:.2f}M"
         print(f"perf: device {device}, peak {shown} ({source}); model {params}", flush=True)
         return cls(plan.world_size, peak, flops)
 
-    def metrics(self, batch: Batch, timings: dict[str, float]) -> dict[str, float]:
+    def metrics(self, batch: Batch, timings: Mapping[str, float]) -> dict[str, float]:
+        """The step's ``perf/*`` metrics; ``timings`` holds the seconds of each phase that ran, and ``step``."""
         tokens = int(batch.attention_mask.sum())
         seconds = timings["step"]
         metrics = {
@@ -184,9 +234,11 @@ class PerfMeter:
         }
         if self.flops is not None and self.peak:
             capacity = self.world_size * self.peak
-            metrics["perf/mfu"] = self.flops.step_flops(tokens) / (seconds * capacity)
-            if timings.get("update_actor"):
-                metrics["perf/mfu/actor"] = self.flops.update_flops(tokens) / (timings["update_actor"] * capacity)
+            passes = self.flops.pass_flops(tokens, timings)
+            metrics["perf/mfu"] = sum(passes.values()) / (seconds * capacity)
+            for name, key in (("update_actor", "perf/mfu/actor"), ("update_critic", "perf/mfu/critic")):
+                if timings.get(name):  # ran, and took measurable time
+                    metrics[key] = passes[name] / (timings[name] * capacity)
         return metrics
 
 
