@@ -144,8 +144,10 @@ class TrainingLoop:
             with timer("step", timings):
                 # 1. Rollout: n samples per prompt, images included (with online filtering, more
                 #    prompts until the batch is full; for ReMax, a greedy baseline response too).
+                self.workers.take_rollout_timings()  # drop what validation's rollouts left there
                 with timer("gen", timings):
                     rollout = self.sampler.sample(prompts, self._more_prompts)
+                gen_pieces = self.workers.take_rollout_timings()  # the engine's share of "gen", and the rest
                 batch = rollout.batch
                 # 2. Log-probs under the current and the reference policy, and the critic's values,
                 #    while the rewards are computed.
@@ -186,6 +188,7 @@ class TrainingLoop:
                     # 5. The rollout engine gets the new weights.
                     with timer("update_weights", timings):
                         resync_metrics = self.workers.sync_weights()
+                self.workers.release()  # the workers drop the step's trajectories
                 val_metrics = {}
                 if self._validation_due(step):
                     with timer("testing", timings):
@@ -204,6 +207,7 @@ class TrainingLoop:
                 **resync_metrics,
                 **val_metrics,
                 **{f"timing_s/{k}": v for k, v in timings.items()},
+                **{f"timing_s/gen/{k}": v for k, v in gen_pieces.items()},
                 **self.perf.metrics(batch, timings),
             }
             self.tracker.log(metrics, step)

@@ -74,7 +74,8 @@ class RolloutSampler:
     def _generate(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Batch:
         group_ids = self.new_group_ids(len(prompts))
         prompt_of.update(zip(group_ids, prompts))
-        return self.workers.generate(prompts, group_ids, self.sampling)
+        # keep: the workers hold these rows for the step's passes (dropped groups are released with the rest).
+        return self.workers.generate(prompts, group_ids, self.sampling, keep=True)
 
     def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, Rewards]:
         algo = self.algo

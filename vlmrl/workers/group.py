@@ -4,18 +4,19 @@
 bundles of one CPU (and one GPU on GPU nodes), packed onto that node. Worker
 ``rank`` runs in bundle ``rank % per_node`` of node ``rank // per_node``.
 
-Each ``WorkerGroup`` method visibly splits its input over the workers, calls
-``.remote()`` on each one and joins the results; there is no generated method
-and no dispatch decorator. Before a batch is split it is balanced: the samples
-are dealt to the workers so that each gets the same number of samples and
-nearly the same number of tokens (``global_seqlen/*`` metrics), and the results
-are put back in the batch's order.
+``WorkerGroup`` has one generic call (``call``: a method name and each
+worker's arguments, ``.remote()`` on each, results in rank order) and one
+``scatter`` / ``gather`` pair; each step's call is a few visible lines over
+them, with no generated method and no dispatch decorator. Before a batch is
+split it is balanced: the samples are dealt to the workers so that each gets
+the same number of samples and nearly the same number of tokens
+(``global_seqlen/*`` metrics), and the results are put back in the batch's
+order. A worker is sent only what it does not hold (``vlmrl.workers.store``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import tempfile
@@ -31,9 +32,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch, PromptSample
+from vlmrl.records.views import to_batch
 from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
 from vlmrl.rollout.engine import Sampling
+from vlmrl.workers.store import PassInput
 
 if TYPE_CHECKING:
     from vlmrl.train.actor import UpdateSettings
@@ -117,39 +120,55 @@ def _join_metrics(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 class WorkerGroup:
-    def __init__(self, config: Config, plan: Plan):
-        from vlmrl.workers.hybrid import FSDPWorker
+    """The driver's handle on the hybrid workers: one generic scatter / call / gather, and the step's calls on it."""
 
+    def __init__(self, config: Config, plan: Plan):
+        from vlmrl.workers.hybrid import HybridWorker
+
+        self.config = config
         self.world_size = plan.world_size
         self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device)
         init_method, rendezvous_env = self.pool.rendezvous()
-        # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
-        # heavy passes while the other actors wait, so it gets its share of the node's cores.
-        threads = str(max(1, (os.cpu_count() or 1) // plan.workers_per_node))
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "OMP_NUM_THREADS": threads,
+            # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
+            # heavy passes while the other actors wait, so it gets its share of the node's cores.
+            "OMP_NUM_THREADS": str(plan.threads_per_worker),
             "TOKENIZERS_PARALLELISM": "false",
             **rendezvous_env,
         }
-        remote_cls = ray.remote(FSDPWorker)
+        remote_cls = ray.remote(HybridWorker)
         self.workers = [
             remote_cls.options(
                 num_cpus=1,
                 num_gpus=1 if plan.device == "cuda" else 0,
                 scheduling_strategy=self.pool.strategy(rank),
                 runtime_env={"env_vars": env},
-                name=f"fsdp_worker_{rank}_{os.getpid()}_{id(self)}",
+                name=f"hybrid_worker_{rank}_{os.getpid()}_{id(self)}",
             ).remote(config, plan, rank, init_method)
             for rank in self.pool.ranks()
         ]
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        self.pad_token_id = ray.get(self.workers[0].pad_token_id.remote())
+        self.holders: dict[str, set[int]] = {}
+        """Which workers hold each training row of the step (sample id -> ranks)."""
+        self.rollout_timings: dict[str, float] = {}
+        """Seconds of the rollout calls' pieces since the last ``take_rollout_timings``."""
 
     def shutdown(self) -> None:
         """Stop the workers and free their placement groups (tests that build several groups call this)."""
         for w in self.workers:
             ray.kill(w)
         self.pool.release()
+
+    # ----------------------------------------------------------------- the generic call
+
+    def call(self, method: str, per_worker: list[tuple]) -> list:
+        """``method(*per_worker[rank])`` on every worker at once; their results in rank order."""
+        return ray.get([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_worker, strict=True)])
+
+    def call_all(self, method: str, *args) -> list:
+        """The same call on every worker (a collective when the method is one)."""
+        return self.call(method, [args] * self.world_size)
 
     def _parts(self, batch: Batch) -> list[list[int]]:
         """Each worker's sample indices: equal counts, token sums balanced (one worker: all, in order)."""
@@ -163,70 +182,124 @@ class WorkerGroup:
         lengths = batch.attention_mask.sum(dim=1).tolist()
         return seqlen_balance_metrics(lengths, _chunks(list(range(len(batch))), self.world_size), self._parts(batch))
 
-    def _scatter_parts(self, batch: Batch) -> tuple[list[Batch], list[list[int]]]:
+    def scatter(self, batch: Batch, *fields: str) -> tuple[list[PassInput], list[list[int]]]:
+        """Each worker's ``PassInput`` for ``batch``: its rows by id, the ones it does not hold in full, and the
+        per-token ``fields``; and each worker's row indices, for ``gather``."""
+        batch.require(*fields)
         parts = self._parts(batch)
-        # The workers already hold the pixels (mm_inputs); the PIL images are only for logging.
-        slim = dataclasses.replace(batch, images=[])
-        return [slim.select(idx) for idx in parts], parts
+        inputs = []
+        for rank, rows in enumerate(parts):
+            ids = [batch.trajectories[i].sample_id for i in rows]
+            new_rows = [batch.trajectories[i] for i, sid in zip(rows, ids) if rank not in self.holders.get(sid, ())]
+            for sid in ids:
+                self.holders.setdefault(sid, set()).add(rank)
+            values = {name: getattr(batch, name) for name in fields}
+            index = torch.tensor(rows, dtype=torch.long)
+            inputs.append(PassInput(ids, new_rows, {k: v.index_select(0, index) for k, v in values.items()}))
+        return inputs, parts
 
     @staticmethod
-    def _gather(results: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
+    def gather(results: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
         """Per-worker results back into the batch's row order."""
         order = torch.tensor([i for part in parts for i in part])
         out = torch.empty_like(torch.cat(results))
         out[order] = torch.cat(results)
         return out
 
-    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> Batch:
+    # ----------------------------------------------------------------- rollout
+
+    def generate(
+        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool = False
+    ) -> Batch:
+        """n samples per prompt; with ``keep`` (training) each worker keeps its rows for the step's passes.
+
+        The workers return trajectories without pixels or media; the prompts' are put back here, so the
+        driver's batch is complete without sending them twice.
+        """
         prompt_parts, id_parts = _chunks(prompts, self.world_size), _chunks(group_ids, self.world_size)
-        t0 = time.perf_counter()
-        refs = [w.generate.remote(p, g, sampling) for w, p, g in zip(self.workers, prompt_parts, id_parts)]
-        parts = ray.get(refs)
-        t1 = time.perf_counter()
-        batch = Batch.concat(parts)
-        if os.environ.get("VLMRL_PROFILE_ROLLOUT"):
-            timings = {"driver_call": t1 - t0, "driver_concat": time.perf_counter() - t1}
-            print(f"VLMRL_PROFILE_DRIVER {json.dumps(timings)}", flush=True)
+        start = time.perf_counter()
+        results = self.call("generate", [(p, g, sampling, keep) for p, g in zip(prompt_parts, id_parts)])
+        call_seconds = time.perf_counter() - start
+        prompt_of = dict(zip(group_ids, prompts))
+        trajectories = []
+        for rank, (part, _) in enumerate(results):
+            for t in part:
+                prompt = prompt_of[t.group_id]
+                full = dataclasses.replace(t, mm_inputs=prompt.mm_inputs).with_media(
+                    list(prompt.images) + list(prompt.videos)
+                )
+                trajectories.append(full)
+                if keep:
+                    self.holders.setdefault(t.sample_id, set()).add(rank)
+        data = self.config.data
+        batch = to_batch(
+            trajectories,
+            max_prompt_length=data.max_prompt_length,
+            max_response_length=data.max_response_length,
+            pad_token_id=self.pad_token_id,
+        )
+        # The slowest worker's pieces (the call waits for it), and the whole call as the driver saw it.
+        for key in results[0][1]:
+            slowest = max(timings[key] for _, timings in results)
+            self.rollout_timings[key] = self.rollout_timings.get(key, 0.0) + slowest
+        self.rollout_timings["driver_call"] = self.rollout_timings.get("driver_call", 0.0) + call_seconds
         return batch
 
+    def take_rollout_timings(self) -> dict[str, float]:
+        """The rollout pieces' seconds since the last call (``requests``, ``engine``, ``outputs``, ...)."""
+        timings, self.rollout_timings = self.rollout_timings, {}
+        return timings
+
+    def release(self) -> None:
+        """End of step: the workers drop the step's trajectories."""
+        self.call_all("release")
+        self.holders.clear()
+
+    # ----------------------------------------------------------------- trainer passes
+
     def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        shards, parts = self._scatter_parts(batch)
-        results = ray.get([w.compute_old_log_probs.remote(b) for w, b in zip(self.workers, shards)])
-        return self._gather([r[0] for r in results], parts), self._gather([r[1] for r in results], parts)
+        inputs, parts = self.scatter(batch)
+        results = self.call("compute_old_log_probs", [(x,) for x in inputs])
+        return self.gather([r[0] for r in results], parts), self.gather([r[1] for r in results], parts)
 
     def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
-        shards, parts = self._scatter_parts(batch)
-        return self._gather(ray.get([w.compute_ref_log_probs.remote(b) for w, b in zip(self.workers, shards)]), parts)
+        inputs, parts = self.scatter(batch)
+        return self.gather(self.call("compute_ref_log_probs", [(x,) for x in inputs]), parts)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        shards, parts = self._scatter_parts(batch)
-        return self._gather(ray.get([w.compute_values.remote(b) for w, b in zip(self.workers, shards)]), parts)
+        inputs, parts = self.scatter(batch)
+        return self.gather(self.call("compute_values", [(x,) for x in inputs]), parts)
 
     def update_actor(self, batch: Batch, settings: UpdateSettings, old_from_forward: bool) -> ActorUpdate:
         """The workers' metrics (means; peaks as the largest worker's), plus the batch's balance over them;
         for an on-policy update, also the log-probs and entropy of its forward, in the batch's row order."""
-        shards, parts = self._scatter_parts(batch)
-        results = ray.get([w.update_actor.remote(b, settings, old_from_forward) for w, b in zip(self.workers, shards)])
+        fields = ["advantages"]
+        if not old_from_forward:
+            fields.append("old_log_probs")
+        if settings.use_kl_loss:
+            fields.append("ref_log_probs")
+        inputs, parts = self.scatter(batch, *fields)
+        results = self.call("update_actor", [(x, settings, old_from_forward) for x in inputs])
         metrics = {**_join_metrics([r.metrics for r in results]), **self.balance_metrics(batch)}
         if results[0].log_probs is None:
             return ActorUpdate(metrics)
-        log_probs = self._gather([r.log_probs for r in results], parts)
-        return ActorUpdate(metrics, log_probs, self._gather([r.entropy for r in results], parts))
+        log_probs = self.gather([r.log_probs for r in results], parts)
+        return ActorUpdate(metrics, log_probs, self.gather([r.entropy for r in results], parts))
 
     def update_critic(self, batch: Batch, settings: CriticSettings) -> dict[str, float]:
-        shards, _ = self._scatter_parts(batch)
-        return _join_metrics(ray.get([w.update_critic.remote(b, settings) for w, b in zip(self.workers, shards)]))
+        inputs, _ = self.scatter(batch, "values", "returns")
+        return _join_metrics(self.call("update_critic", [(x, settings) for x in inputs]))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full state dict (HF names), gathered from the shards; a collective over the workers."""
-        return ray.get([w.full_weights.remote() for w in self.workers])[0]
+        return self.call_all("full_weights")[0]
 
     def sync_weights(self) -> dict[str, float]:
         """Collective: every worker streams the actor's weights into its engine; the slowest resync, largest bucket."""
-        return _join_metrics(ray.get([w.sync_weights.remote() for w in self.workers]))
+        return _join_metrics(self.call_all("sync_weights"))
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
-        ray.get([w.save_checkpoint.remote(path, model_only, hf_weights) for w in self.workers])
+        self.call_all("save_checkpoint", path, model_only, hf_weights)
 
     def load_checkpoint(self, path: str) -> bool:
-        return all(ray.get([w.load_checkpoint.remote(path) for w in self.workers]))
+        return all(self.call_all("load_checkpoint", path))

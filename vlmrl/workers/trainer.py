@@ -1,0 +1,292 @@
+"""The trainer role: the FSDP2 actor and its optimizer, the frozen reference policy (unless KL is disabled),
+the critic and its optimizer (GAE only), and the trajectories of the step (``TrajectoryStore``).
+
+Each pass takes a ``PassInput`` (row ids, the rows this worker does not hold
+yet, per-token fields) and works on this worker's share of the batch. The
+trainer knows nothing of the engine: the weights leave it through
+``weight_stream`` (for a weight sync) and ``full_weights``.
+"""
+
+from __future__ import annotations
+
+import resource
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.config import Config, LoraConfig
+from vlmrl.plan import Plan, weights_dtype
+from vlmrl.records import Batch, Trajectory
+from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.train import actor as actor_passes
+from vlmrl.train import checkpoint as ckpt
+from vlmrl.train import critic as critic_passes
+from vlmrl.train import lora as lora_adapters
+from vlmrl.train.critic import ValueModel
+from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
+from vlmrl.train.micro_batches import MicroBatching, TokenCount
+from vlmrl.workers.store import PassInput, TrajectoryStore
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _load_sharded(
+    model_path: str,
+    dtype: torch.dtype,
+    mesh,
+    trust_remote_code: bool,
+    options: ShardOptions,
+    lora: LoraConfig | None = None,
+) -> torch.nn.Module:
+    """Load a HF VLM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if lora is not None:
+        # Before sharding, so each adapter lands in its layer's FSDP unit and is sharded like the rest.
+        lora_adapters.add_lora(model, lora)
+    return shard(model, list(getattr(model, "_no_split_modules", None) or []), mesh, options)
+
+
+def _adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        weight_decay=optim.weight_decay,
+    )
+
+
+def process_group_backend(device: str) -> str:
+    """NCCL between GPU workers, gloo between CPU workers (the config's device, resolved into the plan)."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _peak_memory(device: str) -> dict[str, float]:
+    """This process's peak memory so far: host (resident set) always, accelerator on GPU."""
+    metrics = {"perf/cpu_memory_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB
+    if device == "cuda":
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
+@dataclass(frozen=True)
+class ReferencePolicy:
+    """The model the reference log-probs come from, said once.
+
+    Without LoRA: a frozen copy of the starting weights. Under LoRA: the actor
+    itself with its adapters switched off for the pass, which is the base
+    model, so no second copy is loaded.
+    """
+
+    model: torch.nn.Module
+    adapters_off: bool
+
+    def context(self):
+        return lora_adapters.adapters_disabled(self.model) if self.adapters_off else nullcontext()
+
+
+class TrainerWorker:
+    def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
+        self.config, self.plan, self.rank = config, plan, rank
+        actor_cfg = config.worker.actor
+        device = plan.device
+        if device == "cuda":
+            # Ray gives each worker one GPU and makes it the only visible one.
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend=with_host_collectives(process_group_backend(device), config),
+            init_method=init_method,
+            rank=rank,
+            world_size=plan.world_size,
+            timeout=timedelta(minutes=30),
+        )
+        mesh = init_device_mesh(device, (plan.world_size,))
+        torch.manual_seed(config.data.seed + rank)
+
+        model_path = actor_cfg.model.model_path
+        self.processor = AutoProcessor.from_pretrained(actor_cfg.model.tokenizer_path or model_path)
+        self.tokenizer = self.processor.tokenizer
+        dtype = _dtype(plan.actor_dtype)
+        trust = actor_cfg.model.trust_remote_code
+        self.lora = actor_cfg.model.lora if actor_cfg.model.lora.rank > 0 else None
+        actor_sharding = ShardOptions.from_config(actor_cfg.fsdp, device)
+        self.actor = _load_sharded(model_path, dtype, mesh, trust, actor_sharding, self.lora)
+        if actor_cfg.model.freeze_vision_tower:
+            for p in self.actor.model.visual.parameters():
+                p.requires_grad_(False)
+        if actor_cfg.model.enable_gradient_checkpointing:
+            self.actor.gradient_checkpointing_enable()
+        self.optimizer = _adamw(self.actor, actor_cfg.optim)
+        self.ref = None
+        if plan.use_reference and self.lora is None:  # under LoRA the reference is the actor, adapters off
+            ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
+            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding)
+            self.ref.eval().requires_grad_(False)
+        self.critic = self.critic_optimizer = None
+        if plan.use_critic:
+            critic_cfg = config.worker.critic
+            value_model = ValueModel.from_pretrained(
+                plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code
+            )
+            critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
+            self.critic = shard(value_model, value_model.no_split_modules, mesh, critic_sharding)
+            self.critic_optimizer = _adamw(self.critic, critic_cfg.optim)
+        # offload.*: what stays in host memory between the passes that use it (no-ops on CPU). Under LoRA
+        # the reference pass runs on the actor, so "ref" names the actor's parameters.
+        self.offloaders = offloaders("actor", self.actor, self.optimizer, actor_cfg.offload, actor_cfg.fsdp, device)
+        if self.ref is not None:
+            ref_cfg = config.worker.ref
+            self.offloaders |= offloaders("ref", self.ref, None, ref_cfg.offload, ref_cfg.fsdp, device)
+        else:
+            self.offloaders["ref"] = self.offloaders["actor"]
+        if self.critic is not None:
+            critic_cfg = config.worker.critic
+            self.offloaders |= offloaders(
+                "critic", self.critic, self.critic_optimizer, critic_cfg.offload, critic_cfg.fsdp, device
+            )
+        for part in self.offloaders.values():
+            part.offload()
+
+        self.reference = None
+        if plan.use_reference:
+            self.reference = ReferencePolicy(self.ref if self.ref is not None else self.actor, self.lora is not None)
+        self.allowed_tokens = sampling_mask(self.tokenizer, self.actor.config.get_text_config().vocab_size)
+        """The tokens a response may hold; the log-probs are restricted to them as the rollout's sampling is."""
+        self.experience_batching = MicroBatching(
+            actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
+        )
+        self.experience_tokens = TokenCount()
+        """Tokens of the log-prob passes since the last update, for its padding metric."""
+        self.store = TrajectoryStore(
+            config.data.max_prompt_length, config.data.max_response_length, self.tokenizer.pad_token_id
+        )
+
+    # ----------------------------------------------------------- the step's rows
+
+    def hold(self, trajectories: list[Trajectory]) -> None:
+        """Keep a rollout's trajectories (pixels included) for the passes of this step."""
+        self.store.hold(trajectories)
+
+    def release(self) -> None:
+        """The step is over: drop its trajectories."""
+        self.store.release()
+
+    # ------------------------------------------------------------- log-probs
+
+    @uses("actor")
+    def compute_old_log_probs(self, request: PassInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs, entropy)`` of the responses under the current actor, each ``(b, R)``."""
+        self.actor.eval()
+        return actor_passes.compute_log_probs(
+            self.actor, self.store.batch(request), self.experience_batching, self.allowed_tokens,
+            self.experience_tokens,
+        )  # fmt: skip
+
+    @uses("ref")
+    def compute_ref_log_probs(self, request: PassInput) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("reference log-probs requested but the run has no reference model (KL is off)")
+        self.reference.model.eval()
+        with self.reference.context():
+            log_probs, _ = actor_passes.compute_log_probs(
+                self.reference.model, self.store.batch(request), self.experience_batching, self.allowed_tokens,
+                self.experience_tokens, with_entropy=False,
+            )  # fmt: skip
+        return log_probs
+
+    # ---------------------------------------------------------------- update
+
+    @uses("actor", "actor_optimizer")
+    def update_actor(
+        self, request: PassInput, settings: actor_passes.UpdateSettings, old_from_forward: bool
+    ) -> actor_passes.ActorUpdate:
+        update = actor_passes.update_policy(
+            self.actor, self.optimizer, self.store.batch(request), settings, self.allowed_tokens, old_from_forward
+        )
+        metrics = update.metrics
+        metrics.update(_peak_memory(self.plan.device))  # host: the process's peak so far, rollouts included
+        if self.experience_tokens.computed:
+            metrics["actor/padding_share_logprob"] = self.experience_tokens.padding_share
+        self.experience_tokens = TokenCount()
+        return update
+
+    @uses("actor")
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the actor's full state dict (HF names) on CPU, on rank 0 (the others get an empty dict).
+
+        Under LoRA: the merged weights, as vLLM and the HF export get them.
+        """
+        full = get_model_state_dict(self.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dict(self.hf_weights(full.items())) if self.lora else full
+
+    def hf_weights(self, items):
+        """LoRA: gathered ``(name, tensor)`` pairs to merged weights under the HF checkpoint names."""
+        return lora_adapters.merged_weights(items, lora_adapters.scaling(self.lora))
+
+    # ---------------------------------------------------------------- critic
+
+    @uses("critic")
+    def compute_values(self, request: PassInput) -> torch.Tensor:
+        """``(b, R)`` the critic's values of the responses' states."""
+        if self.critic is None:
+            raise RuntimeError("values requested but the run has no critic (only adv_estimator=gae trains one)")
+        critic = self.config.worker.critic
+        batching = MicroBatching(
+            critic.micro_batch_size_per_device_for_experience,
+            self.plan.critic_experience_token_budget,
+            critic.padding_free,
+        )
+        return critic_passes.compute_values(self.critic, self.store.batch(request), batching)
+
+    @uses("critic", "critic_optimizer")
+    def update_critic(self, request: PassInput, settings: critic_passes.CriticSettings) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("critic update requested but the run has no critic (only adv_estimator=gae trains one)")
+        return critic_passes.update_critic(self.critic, self.critic_optimizer, self.store.batch(request), settings)
+
+    # ----------------------------------------------------------- checkpoints
+    @uses("actor", "actor_optimizer", "critic", "critic_optimizer")
+    def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
+        """Collective: the sharded actor (and optimizer) into ``path``/actor, plus its HF config and processor.
+
+        With ``hf_weights`` rank 0 also writes the full weights there as a HF model directory.
+        """
+        actor_dir = Path(path) / "actor"
+        ckpt.save_actor(actor_dir, self.actor, self.optimizer, self.rank, model_only)
+        if self.lora is not None and self.rank == 0:
+            ckpt.save_lora_config(actor_dir, self.lora)
+        if self.critic is not None:
+            ckpt.save_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank, model_only)
+        full = ckpt.full_model_state(self.actor) if hf_weights else None
+        if full is not None and self.lora is not None:
+            full = dict(self.hf_weights(full.items()))  # plain HF weights: the directory loads without peft
+        if self.rank == 0:
+            hf_dir = actor_dir / "huggingface"
+            if full is not None:
+                self.actor.save_pretrained(hf_dir, state_dict=full)
+            else:
+                self.actor.config.save_pretrained(hf_dir)
+                if self.actor.generation_config is not None:
+                    self.actor.generation_config.save_pretrained(hf_dir)
+            self.processor.save_pretrained(hf_dir)
+        dist.barrier()
+
+    @uses("actor", "actor_optimizer", "critic", "critic_optimizer")
+    def load_checkpoint(self, path: str) -> bool:
+        """Collective: restore the actor (and optimizer) from ``path``/actor, and the critic if saved.
+
+        Returns whether optimizer state was restored. The engine's weights are the caller's to resync.
+        """
+        ckpt.check_lora_matches(Path(path) / "actor", self.lora)
+        restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
+        if self.critic is not None and (Path(path) / "critic").is_dir():
+            ckpt.load_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank)
+        return restored_optimizer
