@@ -58,7 +58,7 @@ from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
 from vlmrl.rollout.vllm_engine import Generation
 from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, forward_response, update_policy
 from vlmrl.train.fsdp_options import ShardOptions, shard, with_host_collectives
-from vlmrl.workers.hybrid import _adamw, process_group_backend
+from vlmrl.workers.trainer import adamw, process_group_backend
 
 # Qwen2.5-VL's special token ids (the real tokenizer's).
 QWEN_IDS = {
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before the first update the reference model is the actor, so its log-probs are the old ones.
     batch.ref_log_probs = old_log_probs.clone()
     batch.advantages = torch.randn(batch.responses.shape, generator=generator) * batch.response_mask
-    optimizer = _adamw(model, actor.optim)
+    optimizer = adamw(model, actor.optim)
     for _ in range(args.warmup):
         update_policy(model, optimizer, batch, settings, allowed)  # (the first also allocates the optimizer state)
     update_s, update = _timed(lambda: update_policy(model, optimizer, batch, settings, allowed), device, args.iters)

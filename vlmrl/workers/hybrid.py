@@ -1,311 +1,104 @@
-"""One training worker: the FSDP2 actor and its optimizer, the frozen reference
-model (unless KL is disabled), the critic and its optimizer (GAE only), and an
-in-process vLLM engine, all in one Ray actor process.
+"""The colocated worker: a trainer and a rollout engine in one Ray actor process, taking turns.
 
-The driver calls these methods through ``WorkerGroup``; each call works on
-this worker's shard of the batch.
+``HybridWorker`` composes the two roles (``TrainerWorker``, ``RolloutWorker``)
+and the in-process weight sync between them, as EasyR1 and verl colocate
+them: the engine samples, the trainer keeps what was sampled and trains on it,
+then the trainer's new weights stream into the engine. The driver calls these
+methods through ``WorkerGroup``; each call works on this worker's share.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import pickle
-import resource
-import time
-from datetime import timedelta
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmrl.config import Config, LoraConfig
-from vlmrl.plan import Plan, weights_dtype
-from vlmrl.records import Batch, PromptSample
-from vlmrl.train import actor as actor_passes
-from vlmrl.train.micro_batches import MicroBatching, TokenCount
-from vlmrl.train import checkpoint as ckpt
-from vlmrl.train import critic as critic_passes
-from vlmrl.train import lora as lora_adapters
-from vlmrl.records.views import build_batch
-from vlmrl.train.critic import ValueModel
-from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
+from vlmrl.config import Config
+from vlmrl.plan import Plan
+from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import sampling_mask, seeded_requests
-from vlmrl.rollout.vllm_engine import Generation, VLLMEngine
+from vlmrl.train import actor as actor_passes
+from vlmrl.train import critic as critic_passes
+from vlmrl.train.fsdp_options import uses
 from vlmrl.weight_sync import EngineSink, WeightSync
+from vlmrl.workers.rollout import RolloutWorker
+from vlmrl.workers.store import PassInput
+from vlmrl.workers.trainer import TrainerWorker
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _load_sharded(
-    model_path: str,
-    dtype: torch.dtype,
-    mesh,
-    trust_remote_code: bool,
-    options: ShardOptions,
-    lora: LoraConfig | None = None,
-) -> torch.nn.Module:
-    """Load a HF VLM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    if lora is not None:
-        # Before sharding, so each adapter lands in its layer's FSDP unit and is sharded like the rest.
-        lora_adapters.add_lora(model, lora)
-    return shard(model, list(getattr(model, "_no_split_modules", None) or []), mesh, options)
-
-
-def _adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        weight_decay=optim.weight_decay,
-    )
-
-
-def process_group_backend(device: str) -> str:
-    """NCCL between GPU workers, gloo between CPU workers (the config's device, resolved into the plan)."""
-    return "nccl" if device == "cuda" else "gloo"
-
-
-def _peak_memory(device: str) -> dict[str, float]:
-    """This process's peak memory so far: host (resident set) always, accelerator on GPU."""
-    metrics = {"perf/cpu_memory_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB
-    if device == "cuda":
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return metrics
-
-
-class FSDPWorker:
+class HybridWorker:
     def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
-        self.config, self.plan, self.rank = config, plan, rank
-        actor_cfg, rollout_cfg = config.worker.actor, config.worker.rollout
-        device = plan.device
-        if device == "cuda":
-            # Ray gives each worker one GPU and makes it the only visible one.
-            torch.cuda.set_device(0)
-        dist.init_process_group(
-            backend=with_host_collectives(process_group_backend(device), config),
-            init_method=init_method,
-            rank=rank,
-            world_size=plan.world_size,
-            timeout=timedelta(minutes=30),
+        self.plan = plan
+        self.trainer = TrainerWorker(config, plan, rank, init_method)
+        self.rollout = RolloutWorker(config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens)
+        rollout_cfg = config.worker.rollout
+        self.weight_sync = WeightSync(
+            self.trainer.actor,
+            EngineSink(self.rollout.engine),
+            getattr(torch, rollout_cfg.dtype.value),
+            bucket_bytes=rollout_cfg.resync_bucket_mb << 20,
+            transform=self.trainer.hf_weights if self.trainer.lora else None,
         )
-        mesh = init_device_mesh(device, (plan.world_size,))
-        torch.manual_seed(config.data.seed + rank)
+        self.offloaders = self.trainer.offloaders  # what ``uses`` moves to the device around a call
+        self.policy_version = 0
+        """Updates synced into the engine so far: the version of the weights it samples with."""
         # GPU memory: torch keeps one resettable peak; each rollout resets it to measure its own peak, so the
         # run's peak before that reset is kept here. The rollouts' peak since the last update goes out with it.
         self.gpu_peak_bytes, self.rollout_gpu_peak_bytes = 0, 0
 
-        model_path = actor_cfg.model.model_path
-        self.processor = AutoProcessor.from_pretrained(actor_cfg.model.tokenizer_path or model_path)
-        self.tokenizer = self.processor.tokenizer
-        dtype = _dtype(plan.actor_dtype)
-        trust = actor_cfg.model.trust_remote_code
-        self.lora = actor_cfg.model.lora if actor_cfg.model.lora.rank > 0 else None
-        actor_sharding = ShardOptions.from_config(actor_cfg.fsdp, device)
-        self.actor = _load_sharded(model_path, dtype, mesh, trust, actor_sharding, self.lora)
-        if actor_cfg.model.freeze_vision_tower:
-            for p in self.actor.model.visual.parameters():
-                p.requires_grad_(False)
-        if actor_cfg.model.enable_gradient_checkpointing:
-            self.actor.gradient_checkpointing_enable()
-        self.optimizer = _adamw(self.actor, actor_cfg.optim)
-        self.ref = None
-        if plan.use_reference and self.lora is None:  # under LoRA the reference is the actor, adapters off
-            ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
-            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding)
-            self.ref.eval().requires_grad_(False)
-        self.critic = self.critic_optimizer = None
-        if plan.use_critic:
-            critic_cfg = config.worker.critic
-            value_model = ValueModel.from_pretrained(
-                plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code
-            )
-            critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
-            self.critic = shard(value_model, value_model.no_split_modules, mesh, critic_sharding)
-            self.critic_optimizer = _adamw(self.critic, critic_cfg.optim)
-        # offload.*: what stays in host memory between the passes that use it (no-ops on CPU). Under LoRA
-        # the reference pass runs on the actor, so "ref" names the actor's parameters.
-        self.offloaders = offloaders("actor", self.actor, self.optimizer, actor_cfg.offload, actor_cfg.fsdp, device)
-        if self.ref is not None:
-            ref_cfg = config.worker.ref
-            self.offloaders |= offloaders("ref", self.ref, None, ref_cfg.offload, ref_cfg.fsdp, device)
-        else:
-            self.offloaders["ref"] = self.offloaders["actor"]
-        if self.critic is not None:
-            critic_cfg = config.worker.critic
-            self.offloaders |= offloaders(
-                "critic", self.critic, self.critic_optimizer, critic_cfg.offload, critic_cfg.fsdp, device
-            )
-        for part in self.offloaders.values():
-            part.offload()
-
-        vocab_size = self.actor.config.get_text_config().vocab_size
-        self.allowed_tokens = sampling_mask(self.tokenizer, vocab_size)
-        self.engine = VLLMEngine(
-            model_path,
-            dtype=rollout_cfg.dtype.value,
-            seed=rollout_cfg.seed + rank,
-            max_model_len=plan.rollout_max_model_len,
-            max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
-            enforce_eager=rollout_cfg.enforce_eager,
-            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            cpu_kvcache_space_gb=rollout_cfg.cpu_kvcache_space_gb,
-            min_pixels=config.data.min_pixels,
-            max_pixels=config.data.max_pixels,
-            allowed_tokens=self.allowed_tokens,
-            free_cache_engine=rollout_cfg.free_cache_engine,
-        )
-        self.experience_batching = MicroBatching(
-            actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
-        )
-        self.experience_tokens = TokenCount()
-        """Tokens of the log-prob passes since the last update, for its padding metric."""
-        self.weight_sync = WeightSync(
-            self.actor,
-            EngineSink(self.engine),
-            _dtype(rollout_cfg.dtype.value),
-            bucket_bytes=rollout_cfg.resync_bucket_mb << 20,
-            transform=self._hf_weights if self.lora else None,
-        )
-        self.policy_version = 0
-        """Updates synced into the engine so far: the version of the weights it samples with."""
+    def pad_token_id(self) -> int:
+        return self.trainer.tokenizer.pad_token_id
 
     # ---------------------------------------------------------------- rollout
 
-    def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> Batch:
+    def generate(
+        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Sample; with ``keep`` the trainer holds the trajectories for this step's passes.
+
+        Returns them without pixels or media (the driver holds the prompts'), and the call's timings.
+        """
         on_gpu = self.plan.device == "cuda"
         if on_gpu:
             self.gpu_peak_bytes = max(self.gpu_peak_bytes, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
-        t_requests = time.perf_counter()
-        requests = seeded_requests(prompts, group_ids, sampling, self.engine.seed)
-        t_engine = time.perf_counter()
-        outputs = self.engine.generate(requests)
-        t_outputs = time.perf_counter()
-        generations = [
-            Generation(prompt, group_id, s.token_ids, s.text, s.log_probs)
-            for prompt, group_id, output in zip(prompts, group_ids, outputs)
-            for s in output.samples
-        ]
-        timings = dict(self.engine.last_timings)
-        timings["requests"] += t_engine - t_requests
-        timings["outputs"] += time.perf_counter() - t_outputs
+        trajectories, timings = self.rollout.generate(prompts, group_ids, sampling)
         if on_gpu:  # vLLM allocates through torch in this process (sleep mode: a torch memory pool); not checked on a GPU
             self.rollout_gpu_peak_bytes = max(self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
-        t0 = time.perf_counter()
-        batch = build_batch(
-            generations,
-            max_prompt_length=self.config.data.max_prompt_length,
-            max_response_length=self.config.data.max_response_length,
-            pad_token_id=self.tokenizer.pad_token_id,
-            model=self.actor,
-        )
-        if os.environ.get("VLMRL_PROFILE_ROLLOUT"):
-            # The pieces of this call, and what pickling the batch back to the driver costs.
-            built = time.perf_counter()
-            size = len(pickle.dumps(batch, protocol=5))
-            timings |= {"build_batch": built - t0, "pickle": time.perf_counter() - built}
-            print(f"VLMRL_PROFILE_ROLLOUT {json.dumps({**timings, 'pickle_mib': size / 2**20})}", flush=True)
-        return batch
+        if keep:
+            self.trainer.hold(trajectories)
+        return [t.slim() for t in trajectories], timings
 
-    # ------------------------------------------------------------- log-probs
+    def release(self) -> None:
+        self.trainer.release()
 
-    @uses("actor")
-    def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_probs, entropy)`` of the responses under the current actor, each ``(b, R)``."""
-        self.actor.eval()
-        return actor_passes.compute_log_probs(
-            self.actor,
-            batch,
-            self.experience_batching,
-            self.allowed_tokens,
-            self.experience_tokens,
-        )
+    # ---------------------------------------------------------------- trainer passes
 
-    @uses("ref")
-    def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
-        if self.lora is not None and self.plan.use_reference:
-            # The LoRA reference: the actor's own base weights, its adapters switched off for this pass.
-            self.actor.eval()
-            with lora_adapters.adapters_disabled(self.actor):
-                log_probs, _ = actor_passes.compute_log_probs(
-                    self.actor, batch, self.experience_batching, self.allowed_tokens,
-                    self.experience_tokens, with_entropy=False,
-                )  # fmt: skip
-            return log_probs
-        if self.ref is None:
-            raise RuntimeError("reference log-probs requested but the run has no reference model (KL is off)")
-        log_probs, _ = actor_passes.compute_log_probs(
-            self.ref,
-            batch,
-            self.experience_batching,
-            self.allowed_tokens,
-            self.experience_tokens,
-            with_entropy=False,
-        )
-        return log_probs
+    def compute_old_log_probs(self, request: PassInput) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.trainer.compute_old_log_probs(request)
 
-    # ---------------------------------------------------------------- update
+    def compute_ref_log_probs(self, request: PassInput) -> torch.Tensor:
+        return self.trainer.compute_ref_log_probs(request)
 
-    @uses("actor", "actor_optimizer")
+    def compute_values(self, request: PassInput) -> torch.Tensor:
+        return self.trainer.compute_values(request)
+
+    def update_critic(self, request: PassInput, settings: critic_passes.CriticSettings) -> dict[str, float]:
+        return self.trainer.update_critic(request, settings)
+
     def update_actor(
-        self, batch: Batch, settings: actor_passes.UpdateSettings, old_from_forward: bool = False
+        self, request: PassInput, settings: actor_passes.UpdateSettings, old_from_forward: bool
     ) -> actor_passes.ActorUpdate:
-        update = actor_passes.update_policy(
-            self.actor, self.optimizer, batch, settings, self.allowed_tokens, old_from_forward
-        )
-        metrics = update.metrics
-        metrics.update(_peak_memory(self.plan.device))  # host: the process's peak so far, rollouts included
+        update = self.trainer.update_actor(request, settings, old_from_forward)
         if self.plan.device == "cuda":
             run_peak = max(self.gpu_peak_bytes, self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
-            metrics["perf/max_memory_allocated_gb"] = run_peak / 2**30
-            metrics["perf/rollout/max_memory_allocated_gb"] = self.rollout_gpu_peak_bytes / 2**30
+            update.metrics["perf/max_memory_allocated_gb"] = run_peak / 2**30
+            update.metrics["perf/rollout/max_memory_allocated_gb"] = self.rollout_gpu_peak_bytes / 2**30
             self.rollout_gpu_peak_bytes = 0
-        if self.experience_tokens.computed:
-            metrics["actor/padding_share_logprob"] = self.experience_tokens.padding_share
-        self.experience_tokens = TokenCount()
         return update
 
-    @uses("actor")
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Collective: the actor's full state dict (HF names) on CPU, on rank 0 (the others get an empty dict).
+        return self.trainer.full_weights()
 
-        Under LoRA: the merged weights, as vLLM and the HF export get them.
-        """
-        full = get_model_state_dict(self.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return dict(self._hf_weights(full.items())) if self.lora else full
-
-    def _hf_weights(self, items):
-        """LoRA: gathered ``(name, tensor)`` pairs to merged weights under the HF checkpoint names."""
-        return lora_adapters.merged_weights(items, lora_adapters.scaling(self.lora))
-
-    # ---------------------------------------------------------------- critic
-
-    @uses("critic")
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        """``(b, R)`` the critic's values of the responses' states."""
-        if self.critic is None:
-            raise RuntimeError("values requested but the run has no critic (only adv_estimator=gae trains one)")
-        critic = self.config.worker.critic
-        batching = MicroBatching(
-            critic.micro_batch_size_per_device_for_experience,
-            self.plan.critic_experience_token_budget,
-            critic.padding_free,
-        )
-        return critic_passes.compute_values(self.critic, batch, batching)
-
-    @uses("critic", "critic_optimizer")
-    def update_critic(self, batch: Batch, settings: critic_passes.CriticSettings) -> dict[str, float]:
-        if self.critic is None:
-            raise RuntimeError("critic update requested but the run has no critic (only adv_estimator=gae trains one)")
-        return critic_passes.update_critic(self.critic, self.critic_optimizer, batch, settings)
+    # ---------------------------------------------------------------- weights
 
     @uses("actor")
     def sync_weights(self) -> dict[str, float]:
@@ -314,43 +107,11 @@ class FSDPWorker:
         self.policy_version += 1
         return metrics
 
-    # ----------------------------------------------------------- checkpoints
-
-    @uses("actor", "actor_optimizer", "critic", "critic_optimizer")
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
-        """Collective: the sharded actor (and optimizer) into ``path``/actor, plus its HF config and processor.
+        self.trainer.save_checkpoint(path, model_only, hf_weights)
 
-        With ``hf_weights`` rank 0 also writes the full weights there as a HF model directory.
-        """
-        actor_dir = Path(path) / "actor"
-        ckpt.save_actor(actor_dir, self.actor, self.optimizer, self.rank, model_only)
-        if self.lora is not None and self.rank == 0:
-            ckpt.save_lora_config(actor_dir, self.lora)
-        if self.critic is not None:
-            ckpt.save_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank, model_only)
-        full = ckpt.full_model_state(self.actor) if hf_weights else None
-        if full is not None and self.lora is not None:
-            full = dict(self._hf_weights(full.items()))  # plain HF weights: the directory loads without peft
-        if self.rank == 0:
-            hf_dir = actor_dir / "huggingface"
-            if full is not None:
-                self.actor.save_pretrained(hf_dir, state_dict=full)
-            else:
-                self.actor.config.save_pretrained(hf_dir)
-                if self.actor.generation_config is not None:
-                    self.actor.generation_config.save_pretrained(hf_dir)
-            self.processor.save_pretrained(hf_dir)
-        dist.barrier()
-
-    @uses("actor", "actor_optimizer", "critic", "critic_optimizer")
     def load_checkpoint(self, path: str) -> bool:
-        """Collective: restore the actor (and optimizer) from ``path``/actor and resync vLLM.
-
-        Returns whether optimizer state was restored.
-        """
-        ckpt.check_lora_matches(Path(path) / "actor", self.lora)
-        restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
-        if self.critic is not None and (Path(path) / "critic").is_dir():
-            ckpt.load_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank)
+        """Collective: restore the trainer from ``path`` and resync the engine; whether optimizer state came back."""
+        restored_optimizer = self.trainer.load_checkpoint(path)
         self.sync_weights()
         return restored_optimizer

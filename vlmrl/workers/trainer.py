@@ -55,7 +55,7 @@ def _load_sharded(
     return shard(model, list(getattr(model, "_no_split_modules", None) or []), mesh, options)
 
 
-def _adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
+def adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=optim.lr,
@@ -124,7 +124,7 @@ class TrainerWorker:
                 p.requires_grad_(False)
         if actor_cfg.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
-        self.optimizer = _adamw(self.actor, actor_cfg.optim)
+        self.optimizer = adamw(self.actor, actor_cfg.optim)
         self.ref = None
         if plan.use_reference and self.lora is None:  # under LoRA the reference is the actor, adapters off
             ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
@@ -138,7 +138,7 @@ class TrainerWorker:
             )
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
             self.critic = shard(value_model, value_model.no_split_modules, mesh, critic_sharding)
-            self.critic_optimizer = _adamw(self.critic, critic_cfg.optim)
+            self.critic_optimizer = adamw(self.critic, critic_cfg.optim)
         # offload.*: what stays in host memory between the passes that use it (no-ops on CPU). Under LoRA
         # the reference pass runs on the actor, so "ref" names the actor's parameters.
         self.offloaders = offloaders("actor", self.actor, self.optimizer, actor_cfg.offload, actor_cfg.fsdp, device)
