@@ -15,6 +15,11 @@ from helpers.runs import (
 )
 
 from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
+from vlmrl.testing.resolvers import register_resolvers
+
+# The tests' configs (examples/quickstart.yaml among them) name the tiny assets as ${tiny:...};
+# registered here, before any test module is collected, since some load a config at import.
+register_resolvers()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Unit tests of vlmrl.config (loading, validation) and vlmrl.plan (derived numbers).
+"""Unit tests of vlmrl.config (loading), vlmrl.validate (the rules) and vlmrl.plan (derived numbers).
 
 A config is checked in full before Ray starts: one run lists every problem,
 each naming its key. The plan derives the per-step numbers without writing
@@ -25,15 +25,13 @@ from vlmrl.config import (
     ConfigError,
     RewardManagerType,
     TrainerConfig,
-    load_config,
     parse_config,
     to_dict,
-    validate,
 )
 from vlmrl.main import main
 from vlmrl.plan import resolve, world_size
 from vlmrl.algos import AdvantageEstimator
-from vlmrl.loggers.tracking import logger_problems
+from vlmrl.validate import load_config, logger_problems, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,6 +128,52 @@ def test_a_saved_config_loads_back_equal(tmp_path):
     saved = tmp_path / "saved.yaml"
     saved.write_text(yaml.safe_dump(to_dict(config)))
     assert load_config([f"config={saved}"]) == config
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return set(proc.stdout.split())
+
+
+def test_the_config_package_loads_without_the_layers_above_it():
+    # The schema, loading and --help need only the maths' enums: no plan, reward, loggers, test assets or rules.
+    loaded = _modules_after(
+        "from vlmrl.config import Config, ConfigError, field_docs, help_text, parse_config, to_dict; help_text()"
+    )
+    above = {"vlmrl.plan", "vlmrl.reward", "vlmrl.loggers", "vlmrl.testing", "vlmrl.validate", "vlmrl.data"}
+    leaked = sorted(m for m in loaded if any(m == a or m.startswith(a + ".") for a in above))
+    assert leaked == []
+
+
+def test_the_config_package_exports_every_public_name_of_its_modules():
+    import vlmrl.config
+    from vlmrl.config import errors, help, loading, options, schema
+
+    public = {*errors.__all__, *help.__all__, *loading.__all__, *options.__all__, *schema.__all__}
+    assert public <= set(vlmrl.config.__all__)
+    for name in vlmrl.config.__all__:
+        assert getattr(vlmrl.config, name) is not None, name
+
+
+def test_the_reward_options_load_without_torch():
+    # A reward process imports vlmrl.reward.function, which reads its enum from the config's options.
+    loaded = _modules_after("import vlmrl.reward.function, vlmrl.config.options")
+    assert "torch" not in loaded and "omegaconf" not in loaded
+
+
+def test_the_config_logger_names_are_the_loggers_registry():
+    from vlmrl.config import LoggerName
+    from vlmrl.loggers.tracking import LOGGERS
+
+    assert [n.value for n in LoggerName] == [getattr(k, "value", k) for k in LOGGERS]
 
 
 # --------------------------------------------------------------------------- all problems at once

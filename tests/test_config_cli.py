@@ -19,11 +19,11 @@ from vlmrl.config import (
     DType,
     help_text,
     iter_options,
-    load_config,
     parse_config,
 )
 from vlmrl.plan import resolve
 from vlmrl.algos import LossAvgMode
+from vlmrl.validate import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers.configs import CPU, QUICKSTART, problems_of
 
-from vlmrl.config import load_config
 from vlmrl.plan import describe, resolve
+from vlmrl.validate import load_config
 
 
 def plan_of(*overrides: str):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.config import ConfigError, RewardConfig, load_config
+from vlmrl.config import ConfigError, RewardConfig, RewardManagerType, TimeoutPolicy
 from vlmrl.main import main
-from vlmrl.reward.options import RewardManagerType, TimeoutPolicy
+from vlmrl.validate import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = "config=examples/quickstart.yaml"

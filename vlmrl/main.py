@@ -16,18 +16,26 @@ import sys
 
 import yaml
 
-from vlmrl.config import ConfigError, help_text, load_config, to_dict
+from vlmrl.config import ConfigError, help_text, to_dict
 from vlmrl.plan import describe, detect_cluster, resolve
+from vlmrl.testing.resolvers import register_resolvers
+from vlmrl.validate import load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if "--help" in args or "-h" in args:
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:
+            # `--help | head` closes the pipe early; the rest of the text goes nowhere, without a traceback.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     dry_run = "--dry-run" in args
     args = [a for a in args if a != "--dry-run"]
     cluster = detect_cluster()
+    # examples/quickstart.yaml names its model and data as ${tiny:...}.
+    register_resolvers()
     try:
         config = load_config(args, cluster)
     except ConfigError as e:

@@ -6,6 +6,12 @@ numbers stay as written and every derived number lives in ``Plan``, made by
 the pure ``resolve(config, cluster)``: the same config and cluster always give
 the same plan, and nothing is read from disk or the devices. ``detect_cluster``
 is the one place that looks at the machine.
+
+Code that runs with a plan reads the derived values from it. Validation runs
+before there is one (a broken config may have none: a batch that does not
+split has no per-device size), so it asks the same small predicates that
+``resolve`` is built from (``uses_critic``, ``kl_in_reward``...), which keeps
+one definition of each.
 """
 
 from __future__ import annotations
@@ -63,6 +69,26 @@ def weights_dtype(config: Config, model: str) -> str:
     return actor if model in ("actor", "ref") else "bfloat16"
 
 
+def uses_critic(config: Config) -> bool:
+    """Whether a critic is trained: the advantage estimator needs values (GAE)."""
+    return ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
+
+
+def uses_reference(config: Config) -> bool:
+    """Whether a frozen reference model runs: any KL term needs its log-probs."""
+    return not config.algorithm.disable_kl
+
+
+def kl_in_loss(config: Config) -> bool:
+    """The KL to the reference is a term of the actor's loss (GRPO): ``use_kl_loss``, unless KL is disabled."""
+    return uses_reference(config) and config.algorithm.use_kl_loss
+
+
+def kl_in_reward(config: Config) -> bool:
+    """The KL to the reference is a penalty folded into the rewards before the advantages (PPO)."""
+    return uses_reference(config) and not config.algorithm.use_kl_loss
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -111,6 +137,14 @@ class Plan:
     """Whether a frozen reference model is built and run (the KL term needs it)."""
     use_critic: bool
     """Whether a critic is trained (GAE)."""
+    kl_in_loss: bool
+    """The KL to the reference is a term of the actor's loss (algorithm.use_kl_loss, KL enabled)."""
+    kl_in_reward: bool
+    """The KL to the reference is a penalty in the rewards (use_kl_loss false, KL enabled): a KL controller runs,
+    and the old log-probs are needed before the advantages."""
+    threads_per_worker: int
+    """CPU threads each training worker computes with (OMP_NUM_THREADS): its share of a node's cores, the
+    cluster's cores being those of the machine the run starts on."""
     model_path: str
     tokenizer_path: str
     critic_model_path: str | None
@@ -139,7 +173,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     samples_per_update = actor.global_batch_size * n
     experiment_dir = Path(config.trainer.output_dir) / config.trainer.project_name / config.trainer.experiment_name
     checkpoint_dir = config.trainer.save_checkpoint_path or str(experiment_dir / "checkpoints")
-    use_critic = ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
+    use_critic = uses_critic(config)
     model_path = actor.model.model_path
     val = rollout.val_override_config
     return Plan(
@@ -164,8 +198,11 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         critic_experience_token_budget=_critic_token_budget(config, "experience"),
         actor_dtype=weights_dtype(config, "actor"),
         ref_dtype=weights_dtype(config, "ref"),
-        use_reference=not config.algorithm.disable_kl,
+        use_reference=uses_reference(config),
         use_critic=use_critic,
+        kl_in_loss=kl_in_loss(config),
+        kl_in_reward=kl_in_reward(config),
+        threads_per_worker=max(1, cluster.cpus // config.trainer.n_gpus_per_node),
         model_path=model_path,
         tokenizer_path=actor.model.tokenizer_path or model_path,
         critic_model_path=(worker.critic.model.model_path or model_path) if use_critic else None,
@@ -187,10 +224,9 @@ def _old_log_probs_from_update(config: Config) -> bool:
     forward's own, detached. KL in the reward reads them before the advantages exist,
     so it needs the pass.
     """
-    actor, algo = config.worker.actor, config.algorithm
+    actor = config.worker.actor
     one_update = actor.ppo_epochs == 1 and actor.global_batch_size == config.data.rollout_batch_size
-    kl_in_reward = not algo.disable_kl and not algo.use_kl_loss
-    return actor.old_log_prob_pass == "auto" and one_update and not kl_in_reward
+    return actor.old_log_prob_pass == "auto" and one_update and not kl_in_reward(config)
 
 
 def _token_budget(config: Config, which: str) -> int | None:
@@ -217,11 +253,11 @@ def _notes(config: Config) -> tuple[str, ...]:
     notes = []
     worker = config.worker
     sections = [("worker.actor", worker.actor)]
-    if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic:
+    if uses_critic(config):
         sections.append(("worker.critic", worker.critic))
     if worker.actor.use_torch_compile:
         notes.append("worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)")
-    models = ["actor"] + ["ref"] * (not config.algorithm.disable_kl) + ["critic"] * (len(sections) > 1)
+    models = ["actor"] + ["ref"] * uses_reference(config) + ["critic"] * (len(sections) > 1)
     for model in models:
         if getattr(worker, model).fsdp.enable_rank0_init:
             notes.append(f"worker.{model}.fsdp.enable_rank0_init=true: vlmrl loads the checkpoint on every worker")

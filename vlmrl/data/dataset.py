@@ -29,6 +29,7 @@ import torch
 from transformers import AutoConfig
 from transformers.video_utils import VideoMetadata
 
+from vlmrl.config.options import BadSamplePolicy
 from vlmrl.data.errors import BadRowError, DataError
 from vlmrl.data.media import (
     MediaError,
@@ -38,7 +39,6 @@ from vlmrl.data.media import (
     open_image,
     resize_to_grid,
 )
-from vlmrl.data.options import BadSamplePolicy
 from vlmrl.data.positions import MRope
 from vlmrl.data.sources import load_rows
 from vlmrl.records import PromptSample

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vlmrl.reward.options import RewardManagerType
+from vlmrl.config.options import RewardManagerType
 
 KEY = "worker.reward.reward_function"
 

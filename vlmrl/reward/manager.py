@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmrl.config.options import RewardManagerType, TimeoutPolicy
 from vlmrl.reward.function import RewardFunctionError, RewardTimeout, load_reward_function
-from vlmrl.reward.options import RewardManagerType, TimeoutPolicy
 from vlmrl.reward.sandbox import Outcome, Sandbox, Status
 
 CHUNKS_PER_PROCESS = 4

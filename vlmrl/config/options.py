@@ -1,0 +1,133 @@
+"""The option values that the config owns: the enums of its fields, other than the maths' enums.
+
+This module imports nothing but the standard library, and ``vlmrl.config``
+loads its other modules lazily, so ``from vlmrl.config.options import ...``
+stays cheap: a reward process (``vlmrl.reward.sandbox``) loads a user's
+function without importing torch. The enums of the maths (advantage
+estimators, losses, KL) belong to ``vlmrl.algos``, next to the code they pick.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "BadSamplePolicy",
+    "DType",
+    "Device",
+    "LRSchedulerType",
+    "LoggerName",
+    "OldLogProbPass",
+    "OptimizerStrategy",
+    "RewardManagerType",
+    "RolloutName",
+    "Strategy",
+    "TimeoutPolicy",
+]
+
+
+class DType(enum.StrEnum):
+    """A torch dtype by name; EasyR1's short names (bf16, fp32, fp16) are accepted."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    @classmethod
+    def _missing_(cls, value: object) -> DType | None:
+        return {"fp32": cls.float32, "bf16": cls.bfloat16, "fp16": cls.float16}.get(
+            value
+        )  # type: ignore[call-overload]
+
+
+class Strategy(enum.StrEnum):
+    """How a model is sharded over the workers."""
+
+    fsdp = "fsdp"
+    """FSDP2 (``fully_shard``), one unit per decoder layer and vision block."""
+
+
+class OptimizerStrategy(enum.StrEnum):
+    """The optimizer (``optim.strategy``)."""
+
+    adamw = "adamw"
+    """torch.optim.AdamW with states in the parameters' dtype."""
+    adamw_bf16 = "adamw_bf16"
+    """AdamW with bfloat16 states (EasyR1); not supported yet."""
+
+
+class LRSchedulerType(enum.StrEnum):
+    """The learning-rate schedule after warm-up (``optim.lr_scheduler_type``)."""
+
+    constant = "constant"
+    cosine = "cosine"
+
+
+class Device(enum.StrEnum):
+    """Where the workers compute (``trainer.device``)."""
+
+    auto = "auto"
+    """cuda when a GPU is visible, else cpu."""
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class OldLogProbPass(enum.StrEnum):
+    """When the actor's old log-probs get a forward pass of their own (``worker.actor.old_log_prob_pass``)."""
+
+    auto = "auto"
+    """Skip the pass when each step's batch gets exactly one policy update and nothing reads the old log-probs
+    before it (no KL in the reward): the update's own forward gives them, detached, so the PPO ratio is exactly 1
+    as on-policy GRPO defines it."""
+    always = "always"
+    """A no-grad forward over the batch before the advantages, every step (verl's and EasyR1's behaviour)."""
+
+
+class RolloutName(enum.StrEnum):
+    """The generation engine (``rollout.name``)."""
+
+    vllm = "vllm"
+
+
+class BadSamplePolicy(str, enum.Enum):
+    """What a row that cannot be turned into a sample does to the run (``data.on_bad_sample``)."""
+
+    error = "error"
+    """Stop with an error naming the file, the row and the key."""
+    skip = "skip"
+    """Leave the row out, count it and log it with its file and row."""
+
+
+class RewardManagerType(str, enum.Enum):
+    """How the reward function is called (EasyR1's ``REWARD_TYPE``)."""
+
+    sequential = "sequential"
+    """``compute_score(reward_input: dict, **kwargs) -> dict``, once per response."""
+    batch = "batch"
+    """``compute_score(reward_inputs: list[dict], **kwargs) -> list[dict]``, once per step."""
+
+
+class TimeoutPolicy(str, enum.Enum):
+    """What a call that exceeds ``worker.reward.timeout`` gives."""
+
+    error = "error"
+    """The step fails with an error naming the sample."""
+    zero = "zero"
+    """The sample(s) of that call score 0 (overall and every sub-score), counted in ``reward/timeouts``."""
+
+
+class LoggerName(str, enum.Enum):
+    """Where metrics and validation samples go (``trainer.logger``); ``vlmrl.loggers`` has one logger per member."""
+
+    console = "console"
+    """A compact line per step on stdout."""
+    file = "file"
+    """JSON lines, one per step, in <experiment dir>/metrics.jsonl."""
+    mlflow = "mlflow"
+    """MLflow; an embedded SQLite store in the experiment dir unless MLFLOW_TRACKING_URI is set."""
+    tensorboard = "tensorboard"
+    """TensorBoard event files in <experiment dir>/tensorboard/."""
+    wandb = "wandb"
+    """Weights & Biases (needs the wandb package)."""
+    swanlab = "swanlab"
+    """SwanLab (needs the swanlab package)."""

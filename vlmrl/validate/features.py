@@ -1,0 +1,221 @@
+"""Settings that must agree with each other: the KL term, what each advantage estimator needs, LoRA, the
+devices, and the settings vlmrl accepts but cannot honour yet.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator
+from vlmrl.config import AlgorithmConfig, Config, Device, LRSchedulerType, OptimizerStrategy
+from vlmrl.plan import Cluster, device, uses_critic, uses_reference, weights_dtype, world_size
+
+__all__ = [
+    "GROUP_ESTIMATORS",
+    "device_problems",
+    "estimator_problems",
+    "kl_problems",
+    "lora_problems",
+    "not_supported_yet",
+]
+
+GROUP_ESTIMATORS = {e for e, spec in ADVANTAGE_ESTIMATORS.items() if spec.needs_groups}
+"""Estimators whose baseline comes from the other samples of the same prompt."""
+
+
+def kl_problems(algo: AlgorithmConfig) -> list[str]:
+    problems = []
+    if algo.disable_kl:
+        return problems
+    if not algo.kl_coef > 0:
+        problems.append(
+            f"algorithm.kl_coef={algo.kl_coef} with algorithm.disable_kl=false: the KL weight must be positive; "
+            "set a positive kl_coef, or algorithm.disable_kl=true to train without KL (and without a reference model)"
+        )
+    if algo.kl_type is KLControllerType.adaptive:
+        if algo.use_kl_loss:
+            problems.append(
+                "algorithm.kl_type=adaptive with algorithm.use_kl_loss=true: the adaptive controller steers a KL "
+                "penalty in the reward, not the KL loss; set use_kl_loss=false or kl_type=fixed"
+            )
+        for key, value in (
+            ("algorithm.kl_target", algo.kl_target),
+            ("algorithm.kl_horizon", algo.kl_horizon),
+        ):
+            if not value > 0:
+                problems.append(
+                    f"{key}={value} with algorithm.kl_type=adaptive: must be positive"
+                )
+    return problems
+
+
+def estimator_problems(config: Config) -> list[str]:
+    """What each advantage estimator needs: groups, a critic, a greedy baseline."""
+    problems = []
+    algo, rollout, trainer = config.algorithm, config.worker.rollout, config.trainer
+    est = algo.adv_estimator
+    if est in GROUP_ESTIMATORS and rollout.n < 2:
+        problems.append(
+            f"worker.rollout.n={rollout.n}: {est.value} compares samples within a group, so it needs n >= 2; "
+            "set worker.rollout.n=2 or more"
+        )
+    if est is AdvantageEstimator.remax and rollout.temperature == 0:
+        problems.append(
+            "worker.rollout.temperature=0 with algorithm.adv_estimator=remax: ReMax's baseline is a greedy "
+            "response, so greedy samples have advantage 0; set a temperature > 0"
+        )
+    if not uses_critic(config):
+        if config.worker.critic.model.model_path:
+            problems.append(
+                f"worker.critic.model.model_path is set but algorithm.adv_estimator={est.value} uses no critic; "
+                "set algorithm.adv_estimator=gae to train one, or remove worker.critic.model.model_path"
+            )
+        if trainer.critic_warmup > 0:
+            problems.append(
+                f"trainer.critic_warmup={trainer.critic_warmup} but algorithm.adv_estimator={est.value} uses no "
+                "critic; set algorithm.adv_estimator=gae, or trainer.critic_warmup=0"
+            )
+    if algo.online_filtering and not algo.filter_low < algo.filter_high:
+        problems.append(
+            f"algorithm.filter_low={algo.filter_low} >= algorithm.filter_high={algo.filter_high}: online filtering "
+            "would keep no group; make filter_low smaller than filter_high"
+        )
+    return problems
+
+
+def lora_problems(config: Config) -> list[str]:
+    """The actor's LoRA settings; the critic's LoRA is refused with the settings vlmrl cannot honour yet."""
+    problems = []
+    lora, key = config.worker.actor.model.lora, "worker.actor.model.lora"
+    if lora.rank < 0:
+        problems.append(f"{key}.rank={lora.rank}: must be 0 (train the full model) or a positive LoRA rank, e.g. 8")
+    if lora.rank <= 0:
+        return problems
+    if not lora.alpha > 0:
+        problems.append(
+            f"{key}.alpha={lora.alpha}: must be positive (the update is scaled by alpha / rank); e.g. {2 * lora.rank}"
+        )
+    if not [t for t in lora.target_modules.split(",") if t.strip()]:
+        problems.append(
+            f"{key}.target_modules is empty: set it to all-linear or comma-separated Linear module names (q_proj,v_proj)"
+        )
+    if lora.exclude_modules is not None:
+        try:
+            re.compile(lora.exclude_modules)
+        except re.error as e:
+            problems.append(f"{key}.exclude_modules={lora.exclude_modules!r}: not a regular expression ({e})")
+    ref_dtype = config.worker.ref.fsdp.torch_dtype
+    if uses_reference(config) and ref_dtype is not None and ref_dtype.value != weights_dtype(config, "actor"):
+        problems.append(
+            f"worker.ref.fsdp.torch_dtype={ref_dtype.value} with {key}.rank={lora.rank}: under LoRA the reference "
+            f"model is the actor's base weights, in the actor's dtype ({weights_dtype(config, 'actor')}); "
+            "unset worker.ref.fsdp.torch_dtype (null)"
+        )
+    return problems
+
+
+def device_problems(config: Config, cluster: Cluster) -> list[str]:
+    """Workers, tensor-parallel engines and sequence-parallel groups must fit the devices."""
+    problems = []
+    trainer, rollout = config.trainer, config.worker.rollout
+    if trainer.device is Device.cuda and cluster.gpus == 0:
+        problems.append(
+            "trainer.device=cuda but this machine has no visible GPU; set trainer.device=auto or cpu"
+        )
+    on_gpu = device(config, cluster) == "cuda"
+    if (
+        on_gpu
+        and trainer.nnodes == 1
+        and cluster.gpus
+        and trainer.n_gpus_per_node > cluster.gpus
+    ):
+        problems.append(
+            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this machine has {cluster.gpus} GPU(s); "
+            f"set trainer.n_gpus_per_node to at most {cluster.gpus}"
+        )
+    tp = rollout.tensor_parallel_size
+    if tp > 1 and not on_gpu:
+        problems.append(
+            f"worker.rollout.tensor_parallel_size={tp} on CPU: the CPU engine runs on one device per worker; "
+            "set worker.rollout.tensor_parallel_size=1"
+        )
+    elif tp > 1 and trainer.n_gpus_per_node % tp:
+        problems.append(
+            f"worker.rollout.tensor_parallel_size={tp} does not divide trainer.n_gpus_per_node="
+            f"{trainer.n_gpus_per_node}: an engine's GPUs must be on one node; pick a divisor of n_gpus_per_node"
+        )
+    sections = [("worker.actor", config.worker.actor)]
+    if uses_critic(config):
+        sections.append(("worker.critic", config.worker.critic))
+    for section, cfg in sections:
+        if cfg.ulysses_size > 1:
+            if not cfg.padding_free:
+                problems.append(
+                    f"{section}.ulysses_size={cfg.ulysses_size} with {section}.padding_free=false: Ulysses sequence "
+                    f"parallelism splits packed sequences; set {section}.padding_free=true or ulysses_size=1"
+                )
+            if world_size(config) % cfg.ulysses_size:
+                problems.append(
+                    f"{section}.ulysses_size={cfg.ulysses_size} does not divide the {world_size(config)} worker(s); "
+                    "pick a divisor of trainer.n_gpus_per_node x trainer.nnodes"
+                )
+    return problems
+
+
+
+def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
+    """Settings vlmrl accepts but cannot honour yet, where ignoring them would change what trains or the memory it takes.
+
+    One entry per feature; each goes when the feature lands.
+    """
+    algo, actor, rollout = config.algorithm, config.worker.actor, config.worker.rollout
+    todo: list[tuple[bool, str, str]] = [  # (applies?, "key=value", fix)
+        (algo.adv_estimator not in ADVANTAGE_ESTIMATORS, f"algorithm.adv_estimator={algo.adv_estimator.value}",
+         "use one of: " + ", ".join(e.value for e in ADVANTAGE_ESTIMATORS)),
+        (uses_reference(config) and algo.kl_penalty is KLEstimator.full, "algorithm.kl_penalty=full",
+         "the actor keeps only the sampled tokens' log-probs; use low_var_kl, kl, mse or abs"),
+        (config.data.mini_rollout_batch_size not in (None, config.data.rollout_batch_size),
+         f"data.mini_rollout_batch_size={config.data.mini_rollout_batch_size}",
+         "unset it (null) to generate each step at once"),
+        (rollout.tensor_parallel_size > 1 and device(config, cluster) == "cuda", f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size}",
+         "set worker.rollout.tensor_parallel_size=1 (one engine per GPU)"),
+        (rollout.limit_images > 0, f"worker.rollout.limit_images={rollout.limit_images}", "set worker.rollout.limit_images=0"),
+        (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
+         "set worker.reward.skip_special_tokens=true"),
+    ]  # fmt: skip
+    models = [("worker.actor", actor, True)]
+    if uses_reference(config):
+        models.append(("worker.ref", config.worker.ref, False))
+    if uses_critic(config):
+        models.append(("worker.critic", config.worker.critic, True))
+    for section, cfg, trained in models:
+        # enable_full_shard, enable_cpu_offload, offload.* and mp_* are implemented (vlmrl/train/fsdp_options.py).
+        fsdp = cfg.fsdp
+        todo += [
+            (fsdp.fsdp_size not in (-1, world_size(config)), f"{section}.fsdp.fsdp_size={fsdp.fsdp_size} (hybrid sharding)",
+             f"set {section}.fsdp.fsdp_size=-1"),
+        ]  # fmt: skip
+        if trained:
+            model, optim = cfg.model, cfg.optim
+            todo += [
+                # The actor's LoRA is implemented (lora_problems); the critic's value head is not wired for it.
+                (section != "worker.actor" and model.lora.rank > 0, f"{section}.model.lora.rank={model.lora.rank} (LoRA)",
+                 f"set {section}.model.lora.rank=0 (LoRA trains the actor only)"),
+                (bool(model.override_config), f"{section}.model.override_config", f"remove {section}.model.override_config"),
+                (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
+                 f"set {section}.ulysses_size=1"),
+                (optim.strategy is not OptimizerStrategy.adamw, f"{section}.optim.strategy={optim.strategy.value}",
+                 f"set {section}.optim.strategy=adamw"),
+                (optim.lr_scheduler_type is not LRSchedulerType.constant,
+                 f"{section}.optim.lr_scheduler_type={optim.lr_scheduler_type.value}",
+                 f"set {section}.optim.lr_scheduler_type=constant"),
+                (optim.lr_warmup_ratio > 0 or bool(optim.lr_warmup_steps), f"{section}.optim learning-rate warm-up",
+                 f"set {section}.optim.lr_warmup_ratio=0 and lr_warmup_steps=null"),
+                (optim.min_lr_ratio is not None, f"{section}.optim.min_lr_ratio={optim.min_lr_ratio}",
+                 f"unset {section}.optim.min_lr_ratio (null)"),
+            ]  # fmt: skip
+    return [
+        f"{what}: not supported by vlmrl yet; {fix}"
+        for applies, what, fix in todo
+        if applies
+    ]

@@ -1,0 +1,121 @@
+"""What a run reads from outside its config: data, model and template paths, the reward function, the
+checkpoint to resume from, and the packages of the loggers it names.
+
+These checks look at the disk and at what is importable; they are still quick
+(no model or data is read), so they run with the rest before Ray starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from vlmrl.config import Config, LoggerName, RewardConfig, TrainerConfig
+from vlmrl.loggers.tracking import PACKAGES
+from vlmrl.plan import is_hub_id, uses_critic
+from vlmrl.reward.function import RewardFunctionError, load_reward_function
+
+__all__ = ["checkpoint_problems", "logger_problems", "path_problems", "reward_problems"]
+
+
+def path_problems(config: Config) -> list[str]:
+    problems = []
+    data, model = config.data, config.worker.actor.model
+    if not data.train_files:
+        problems.append(
+            "data.train_files is empty: set it to a parquet/json/jsonl file"
+        )
+    for key, files in (
+        ("data.train_files", data.train_files),
+        ("data.val_files", data.val_files),
+    ):
+        for f in filter(None, (s.strip() for s in files.split(","))):
+            if "@" not in f and not Path(f).exists():
+                problems.append(f"{key}: {f} does not exist")
+    if not model.model_path:
+        problems.append(
+            "worker.actor.model.model_path is empty: set it to a local HF model directory or a Hub id"
+        )
+    elif not Path(model.model_path).exists() and not is_hub_id(model.model_path):
+        problems.append(
+            f"worker.actor.model.model_path: {model.model_path} does not exist"
+        )
+    optional_paths = [
+        ("worker.actor.model.tokenizer_path", model.tokenizer_path, True),
+        ("data.format_prompt", data.format_prompt, False),
+        ("data.image_dir", data.image_dir, False),
+    ]
+    if uses_critic(config):
+        optional_paths.append(
+            (
+                "worker.critic.model.model_path",
+                config.worker.critic.model.model_path,
+                True,
+            )
+        )
+    for key, path, hub_ok in optional_paths:
+        if path and not Path(path).exists() and not (hub_ok and is_hub_id(path)):
+            problems.append(f"{key}: {path} does not exist")
+    problems.extend(reward_problems(config.worker.reward))
+    return problems
+
+
+def reward_problems(reward: RewardConfig) -> list[str]:
+    """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts."""
+    problems = []
+    if not reward.reward_function:
+        problems.append(
+            "worker.reward.reward_function is empty: set it to path/to/file.py:function"
+        )
+    else:
+        try:
+            load_reward_function(reward.reward_function)
+        except RewardFunctionError as e:
+            problems.append(str(e))
+    if reward.num_cpus < 1:
+        problems.append(f"worker.reward.num_cpus={reward.num_cpus}: must be at least 1")
+    if reward.timeout is not None and not reward.timeout > 0:
+        problems.append(
+            f"worker.reward.timeout={reward.timeout}: must be a positive number of seconds, or null for no limit"
+        )
+    return problems
+
+
+
+def checkpoint_problems(trainer: TrainerConfig) -> list[str]:
+    problems = []
+    if trainer.save_freq == 0 or trainer.save_freq < -1:
+        problems.append(
+            f"trainer.save_freq={trainer.save_freq}: must be at least 1, or -1 to save only at the end"
+        )
+    if trainer.save_limit == 0 or trainer.save_limit < -1:
+        problems.append(
+            f"trainer.save_limit={trainer.save_limit}: must be at least 1, or -1 to keep every checkpoint"
+        )
+    if trainer.load_checkpoint_path:
+        ckpt = Path(trainer.load_checkpoint_path)
+        if not (ckpt / "COMPLETE").is_file():
+            problems.append(
+                f"trainer.load_checkpoint_path={ckpt}: not a complete checkpoint (no COMPLETE marker); "
+                "point it at a global_step_<k> directory that a finished save wrote"
+            )
+    return problems
+
+
+def logger_problems(names: list[LoggerName]) -> list[str]:
+    """What is wrong with a ``trainer.logger`` list: repeated names and loggers whose package is missing."""
+    problems = []
+    repeated = sorted({n.value for n in names if names.count(n) > 1})
+    if repeated:
+        problems.append(f"trainer.logger names {', '.join(repeated)} more than once; list each logger once")
+    # The loggers key their packages by name; the config's names are the same strings.
+    packages = {getattr(name, "value", name): package for name, package in PACKAGES.items()}
+    for name in dict.fromkeys(names):
+        package = packages.get(name.value)
+        # find_spec only looks the package up: a missing one is reported without importing any.
+        if package and importlib.util.find_spec(package) is None:
+            problems.append(
+                f"trainer.logger: {name.value} needs the {package} package, which is not installed; "
+                f"`pip install {package}` or remove {name.value} from trainer.logger"
+            )
+    return problems
