@@ -11,8 +11,8 @@ widths, heads, vocabulary, vision tower) and then runs vlmrl's code, not a
 copy of it, on synthetic image prompts and responses:
 
 - the prompts are ``PromptSample`` rows with the dataset's rotary positions
-  (``vlmrl.data.positions.MRope``), their responses ``Generation`` records, and
-  ``vlmrl.records.views.build_batch`` makes the padded batch from them, as the
+  (``vlmrl.data.positions.MRope``), their responses ``Trajectory`` records, and
+  ``vlmrl.records.views.to_batch`` makes the padded batch from them, as the
   worker does after a rollout;
 - the run's settings come from the config (``vlmrl.config.parse_config``) and
   the plan (``vlmrl.plan.resolve``): padding-free micro-batches, the update's
@@ -52,10 +52,9 @@ from vlmrl.config import Config, parse_config
 from vlmrl.data.positions import MRope
 from vlmrl.driver.perf import FlopsModel, PerfMeter, measure_cpu_peak_flops, peak_flops
 from vlmrl.plan import Cluster, Plan, resolve
-from vlmrl.records import Batch, PromptSample
-from vlmrl.records.views import build_batch
+from vlmrl.records import Batch, PromptSample, Trajectory
+from vlmrl.records.views import to_batch
 from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
-from vlmrl.rollout.vllm_engine import Generation
 from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, forward_response, update_policy
 from vlmrl.train.fsdp_options import ShardOptions, shard, with_host_collectives
 from vlmrl.workers.trainer import adamw, process_group_backend
@@ -194,7 +193,7 @@ def build_model(shape: str, dtype: torch.dtype, device: torch.device, attn: str 
 
 def make_generations(
     model, n: int, prompt_text: int, image_side: int, response: int, generator: torch.Generator
-) -> list[Generation]:
+) -> list[Trajectory]:
     """``n`` synthetic one-image prompts and their responses, as the rollout hands them over; lengths vary.
 
     Layout of a prompt: text, <vision_start>, image tokens, <vision_end>, text.
@@ -235,7 +234,7 @@ def make_generations(
             uid=f"gpu_smoke:{i}",
         )
         tokens = rand(max(2, response - 3 * (i % 4)))
-        generations.append(Generation(prompt, group_id=i, token_ids=tokens, text="", log_probs=None))
+        generations.append(Trajectory.single_turn(prompt, i, 0, tokens, "", temperature=1.0))
     return generations
 
 
@@ -260,14 +259,13 @@ def run_config(args: argparse.Namespace, device: torch.device, max_prompt_length
     ])  # fmt: skip
 
 
-def make_batch(model, generations: list[Generation], config: Config) -> Batch:
-    """The padded batch of ``generations``, made as the worker makes it after a rollout."""
-    return build_batch(
-        generations,
+def make_batch(model, trajectories: list[Trajectory], config: Config) -> Batch:
+    """The padded view of ``trajectories``, made as the worker makes it for its passes."""
+    return to_batch(
+        trajectories,
         max_prompt_length=config.data.max_prompt_length,
         max_response_length=config.data.max_response_length,
         pad_token_id=model.config.text_config.pad_token_id,
-        model=model,
     )
 
 
@@ -451,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.model, dtype, device, args.attn)
     params = parameter_counts(model)
     generations = make_generations(model, args.sequences, args.prompt_text, args.image_side, args.response, generator)
-    config = run_config(args, device, max(len(g.prompt.input_ids) for g in generations))
+    config = run_config(args, device, max(t.prompt_length for t in generations))
     plan: Plan = resolve(config, Cluster(gpus=int(device.type == "cuda"), cpus=os.cpu_count() or 1))
     actor = config.worker.actor
     if args.fsdp:
@@ -484,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"gpu_smoke: {len(batch)} sequences, {tokens} tokens ({image_tokens} image tokens from {patches} patches, "
         f"{response_tokens} response tokens, lengths {int(lengths.min())}-{int(lengths.max())}) in a "
-        f"{tuple(batch.input_ids.shape)} batch from build_batch; {len(experience.groups(batch))} log-prob and "
+        f"{tuple(batch.input_ids.shape)} batch from records.views.to_batch; {len(experience.groups(batch))} log-prob and "
         f"{len(settings.batching.groups(batch))} update micro-batch(es), {layout}",
         flush=True,
     )

@@ -179,14 +179,15 @@ def run_vlmrl(args, work: Path) -> dict:
     ]
     cmd = [sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml", *overrides]
     t0 = time.perf_counter()
-    peak = run_part(cmd, work / "vlmrl.log", args.timeout, {"VLMRL_PROFILE_ROLLOUT": "1"})
+    peak = run_part(cmd, work / "vlmrl.log", args.timeout)
     wall = time.perf_counter() - t0
     rows = [
         json.loads(line) for line in (out_dir / "bench" / "step" / "metrics.jsonl").read_text().splitlines() if line
     ]
     rows = [r for r in rows if "timing_s/step" in r]
     measured = rows[args.warmup :] or rows[-1:]
-    phases = sorted({k for r in measured for k in r if k.startswith("timing_s/")})
+    # The rollout's pieces (timing_s/gen/*) are parts of timing_s/gen, reported apart below.
+    phases = sorted({k for r in measured for k in r if k.startswith("timing_s/") and not k.startswith("timing_s/gen/")})
     timing = {}
     for k in phases:
         vals = []
@@ -200,14 +201,11 @@ def run_vlmrl(args, work: Path) -> dict:
         timing[k.removeprefix("timing_s/")] = statistics.fmean(vals)
     timing.pop("save_checkpoint", None)
     real_tokens = _median([r["perf/total_num_tokens"] for r in measured])
-    # The in-loop rollout's pieces, as the worker and the driver printed them (one line per step each).
-    log = (work / "vlmrl.log").read_text().splitlines()
-    profile = {}
-    for tag in ("VLMRL_PROFILE_ROLLOUT", "VLMRL_PROFILE_DRIVER"):
-        found = [json.loads(line.split(tag, 1)[1]) for line in log if tag + " {" in line]
-        kept = found[args.warmup :] or found[-1:]
-        for k in sorted({k for r in kept for k in r}):
-            profile[k] = statistics.fmean(r.get(k, 0.0) for r in kept)
+    # The in-loop rollout's pieces, as the run logged them: the engine's, the worker's and the driver's call.
+    profile = {
+        k.removeprefix("timing_s/gen/"): statistics.fmean(r.get(k, 0.0) for r in measured)
+        for k in sorted({k for r in measured for k in r if k.startswith("timing_s/gen/")})
+    }
     # The losses and rewards of every step, for the sanity check against TRL's.
     log = [
         {
@@ -302,9 +300,9 @@ def part_hf(args, result_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.train.actor import forward_response
-    from vlmrl.records.views import build_batch
+    from vlmrl.records import Trajectory
+    from vlmrl.records.views import to_batch
     from vlmrl.rollout.sampling import sampling_mask
-    from vlmrl.rollout.vllm_engine import Generation
 
     torch.manual_seed(0)
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
@@ -313,29 +311,29 @@ def part_hf(args, result_path: Path) -> None:
     vocab_size = actor.get_output_embeddings().weight.shape[0]
     allowed = sampling_mask(processor.tokenizer, vocab_size)
     allowed_ids = allowed.nonzero().flatten()
-    generations = []
+    trajectories = []
     for g, p in enumerate(prompts):
-        for _ in range(args.n):
+        for k in range(args.n):
             ids = allowed_ids[torch.randint(len(allowed_ids), (args.response_length,))].tolist()
-            generations.append(Generation(p, g, ids, "", None))
+            trajectories.append(Trajectory.single_turn(p, g, k, ids, "", temperature=1.0))
     # Padded only to the longest real prompt of the batch: the token counts of the work itself.
-    batch = build_batch(
-        generations,
+    batch = to_batch(
+        trajectories,
         max_prompt_length=max(len(p.input_ids) for p in prompts),
         max_response_length=args.response_length,
         pad_token_id=processor.tokenizer.pad_token_id or 0,
-        model=actor,
     )
     micro_exp = min(args.micro_experience, len(batch))
     micro_upd = min(args.micro_update, len(batch))
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.0)
     advantages = torch.randn(len(batch), 1)
 
-    def logprob_pass(model) -> float:
+    def logprob_pass(model, with_entropy: bool) -> float:
+        # The entropy only where vlmrl computes it too (the old pass logs it; the reference pass skips it).
         t0 = time.perf_counter()
         with torch.no_grad():
             for mb in batch.split(micro_exp):
-                forward_response(model, mb, 1.0, allowed)
+                forward_response(model, mb, allowed, with_entropy=with_entropy)
         return time.perf_counter() - t0
 
     def update_pass() -> float:
@@ -343,7 +341,7 @@ def part_hf(args, result_path: Path) -> None:
         actor.train()
         optimizer.zero_grad(set_to_none=True)
         for i, mb in enumerate(batch.split(micro_upd)):
-            log_probs, _ = forward_response(actor, mb, 1.0, allowed)
+            log_probs, _ = forward_response(actor, mb, allowed)
             adv = advantages[i * micro_upd : i * micro_upd + len(mb)]
             loss = -(log_probs * adv).mean() * len(mb) / len(batch)
             loss.backward()
@@ -361,8 +359,8 @@ def part_hf(args, result_path: Path) -> None:
     res: dict[str, list[float]] = {"old_s": [], "ref_s": [], "update_s": [], "copy_s": []}
     for rep in range(args.raw_warmup + args.raw_reps):
         sample = {
-            "old_s": logprob_pass(actor),
-            "ref_s": logprob_pass(ref),
+            "old_s": logprob_pass(actor, with_entropy=True),
+            "ref_s": logprob_pass(ref, with_entropy=False),
             "update_s": update_pass(),
             "copy_s": copy_pass(),
         }
@@ -418,9 +416,9 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         "vlmrl_samples_per_s": samples / step,
         "raw_gen_s": b["gen_s"],
         "raw_gen_seeded_s": b.get("gen_seeded_s", float("nan")),
-        # Where the in-loop gen phase goes: inside the worker (request building, llm.generate, output
-        # processing, build_batch, pickling the batch), and on the driver (the whole remote call,
-        # Batch.concat); the rest of timing_s/gen is the driver's reward launch and bookkeeping.
+        # Where the in-loop gen phase goes: inside the worker (requests, the engine's steps, outputs, the
+        # trajectories), and the driver's whole remote call; the rest of timing_s/gen is the driver's
+        # padded view, reward launch and bookkeeping.
         "vlmrl_gen_profile_s": a["gen_profile_s"],
         "raw_logprob_old_s": hf["old_s"],
         "raw_logprob_ref_s": hf["ref_s"],
@@ -509,7 +507,7 @@ def markdown(r: dict) -> str:
         )
         lines += ["", head, "", "| piece | s |", "| --- | --- |"]
         for k, v in prof.items():
-            lines.append(f"| {k} | {v:.3f} |" if k != "pickle_mib" else f"| batch pickle size (MiB) | {v:.1f} |")
+            lines.append(f"| {k} | {v:.3f} |")
     if "trl_step_s" in r:
         lines += [
             "",

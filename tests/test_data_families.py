@@ -15,11 +15,11 @@ import torch
 from helpers.media import png, write_parquet, write_video
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train.actor import forward_response
-from vlmrl.records.views import build_batch
-from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+from vlmrl.rollout.vllm_engine import sampling_mask
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -102,17 +102,17 @@ def test_outputs_feed_an_actor_forward_of_each_family(model_dirs, tmp_path, fami
 
     tokenizer = ds.tokenizer
     response = tokenizer.encode(" red", add_special_tokens=False) + [tokenizer.eos_token_id]
-    generations = [Generation(s, i, response, "red", None) for i, s in enumerate(samples)]
-    batch = build_batch(
-        generations, max_prompt_length=128, max_response_length=4, pad_token_id=tokenizer.pad_token_id, model=model
+    generations = [Response(s, i, response, "red", None) for i, s in enumerate(samples)]
+    batch = batch_of(
+        generations, max_prompt_length=128, max_response_length=4, pad_token_id=tokenizer.pad_token_id,
     )
     allowed = sampling_mask(tokenizer, model.config.get_text_config().vocab_size)
     with torch.no_grad():
-        mixed, _ = forward_response(model, batch, 1.0, allowed)
+        mixed, _ = forward_response(model, batch, allowed)
         # Each sample alone gives the same log-probs as in the mixed batch: its media went to it.
-        alone = [forward_response(model, batch.select([i]), 1.0, allowed)[0] for i in range(3)]
+        alone = [forward_response(model, batch.select([i]), allowed)[0] for i in range(3)]
         # Padding-free: the three sequences packed into one row, each with its own positions.
-        packed, _ = forward_response(model, batch, 1.0, allowed, padding_free=True)
+        packed, _ = forward_response(model, batch, allowed, padding_free=True)
     assert mixed.shape == (3, 4) and torch.isfinite(mixed).all()
     torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-4, rtol=0)
     real = batch.response_mask.bool()

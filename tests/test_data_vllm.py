@@ -1,7 +1,7 @@
 """Dataset samples go through the vLLM rollout and the actor: one engine for the module (it is slow to start).
 
 A batch mixing a multi-image row, a video row, a text-only row and a row with
-both goes to ``VLLMRollout.generate``; vLLM must expand each placeholder into
+both goes to the vLLM engine; vLLM must expand each placeholder into
 exactly the actor's tokens, and the actor's log-probs of the sampled tokens,
 computed from the dataset's positions, must match vLLM's (wrong positions move
 them by ~0.1).
@@ -16,10 +16,12 @@ import torch
 from helpers.media import png, write_parquet, write_video
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.train.actor import forward_response
-from vlmrl.records.views import build_batch
-from vlmrl.rollout.vllm_engine import SamplingOverrides, VLLMRollout, sampling_mask
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.vllm_engine import VLLMEngine
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 RESPONSE = 4
@@ -38,7 +40,7 @@ def hf_model(tiny_assets):
 @pytest.fixture(scope="module")
 def rollout(tiny_assets, hf_model, processor):
     threads = torch.get_num_threads()
-    engine = VLLMRollout(
+    engine = VLLMEngine(
         str(tiny_assets.model_dir),
         dtype="float32",
         seed=0,
@@ -49,7 +51,6 @@ def rollout(tiny_assets, hf_model, processor):
         cpu_kvcache_space_gb=1,
         min_pixels=MIN_PIXELS,
         max_pixels=MAX_PIXELS,
-        max_response_length=RESPONSE,
         allowed_tokens=sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size),
     )
     yield engine
@@ -100,19 +101,23 @@ def test_vllm_expands_every_placeholder_into_the_actors_tokens(rollout, samples)
 
 
 def test_rollout_then_actor_on_a_mixed_batch_agree_on_log_probs(rollout, samples, hf_model, processor):
-    sampling = SamplingOverrides(n=2, temperature=1.0, want_log_probs=True, ignore_eos=True)
-    generations = rollout.generate(samples, group_ids=[0, 1, 2, 3], sampling=sampling)
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True, ignore_eos=True)
+    outputs = rollout.generate(seeded_requests(samples, [0, 1, 2, 3], sampling, rollout.seed))
+    generations = [
+        Response(prompt, group_id, s.token_ids, s.text, s.log_probs)
+        for prompt, group_id, output in zip(samples, [0, 1, 2, 3], outputs)
+        for s in output.samples
+    ]
     assert [g.prompt.ground_truth for g in generations] == ["a", "a", "b", "b", "c", "c", "d", "d"]
-    batch = build_batch(
+    batch = batch_of(
         generations,
         max_prompt_length=256,
         max_response_length=RESPONSE,
         pad_token_id=processor.tokenizer.pad_token_id,
-        model=hf_model,
     )
     allowed = sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size)
     with torch.no_grad():
-        log_probs, _ = forward_response(hf_model, batch, 1.0, allowed)
+        log_probs, _ = forward_response(hf_model, batch, allowed)
     assert log_probs.shape == (8, RESPONSE) and torch.isfinite(log_probs).all()
     # vLLM and the actor agree to ~2e-3 on image prompts in fp32 (ENVIRONMENT.md); video
     # positions that disagreed with vLLM's gave ~0.1.

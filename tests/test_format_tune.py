@@ -12,12 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.config import load_config
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.synthetic import COLOURS
 from vlmrl.train.micro_batches import merged_mm_inputs
-from vlmrl.records.views import build_batch
-from vlmrl.rollout.vllm_engine import Generation
 
 N_PROMPTS = 24
 
@@ -39,10 +38,10 @@ def first_tokens(quickstart_assets):
     assert all(len(ids) == 1 for ids in colour_ids.values()), colour_ids  # one token each in the tiny BPE
     def next_token_probs(sample, response_ids: list[int]) -> torch.Tensor:
         """(len(response_ids), V): the model's next-token distribution before each response token."""
-        batch = build_batch(
-            [Generation(sample, 0, response_ids, "", None)],
+        batch = batch_of(
+            [Response(sample, 0, response_ids, "", None)],
             max_prompt_length=data.max_prompt_length, max_response_length=len(response_ids),
-            pad_token_id=tokenizer.pad_token_id, model=model,
+            pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
         with torch.no_grad():
             logits = model(

@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.config import Config, DType, FSDPConfig, OffloadConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
-from vlmrl.records.views import build_batch
 from vlmrl.train.fsdp_options import (
     Offloader,
     ShardOptions,
@@ -36,7 +36,7 @@ from vlmrl.train.fsdp_options import (
     shard,
     with_host_collectives,
 )
-from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+from vlmrl.rollout.vllm_engine import sampling_mask
 
 PROMPTS, N, RESPONSE = 1, 2, 5
 SETTINGS = UpdateSettings(
@@ -87,13 +87,13 @@ def batch_and_mask(tiny_assets):
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 2]
     generations = [
-        Generation(dataset[i], i, allowed_ids[torch.randint(len(allowed_ids), (lengths[i * N + k],), generator=gen)].tolist(), "", None)
+        Response(dataset[i], i, allowed_ids[torch.randint(len(allowed_ids), (lengths[i * N + k],), generator=gen)].tolist(), "", None)
         for i in range(PROMPTS)
         for k in range(N)
     ]  # fmt: skip
-    batch = build_batch(
+    batch = batch_of(
         generations, max_prompt_length=128, max_response_length=RESPONSE,
-        pad_token_id=processor.tokenizer.pad_token_id, model=model,
+        pad_token_id=processor.tokenizer.pad_token_id,
     )  # fmt: skip
     log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), allowed)
     batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)

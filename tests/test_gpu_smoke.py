@@ -82,7 +82,7 @@ def tiny():
     args = gpu_smoke.parse_args(["--cpu", "--sequences", "3", "--response", "8"])
     model = gpu_smoke.build_model("tiny", torch.float32, torch.device("cpu"), None).eval()
     generations = gpu_smoke.make_generations(model, 3, 12, 4, 8, torch.Generator().manual_seed(0))
-    config = gpu_smoke.run_config(args, torch.device("cpu"), max(len(g.prompt.input_ids) for g in generations))
+    config = gpu_smoke.run_config(args, torch.device("cpu"), max(t.prompt_length for t in generations))
     batch = gpu_smoke.make_batch(model, generations, config)
     batching = MicroBatching(len(batch), None, padding_free=True)
     return model, generations, batch, batching, gpu_smoke.allowed_tokens(model)
@@ -94,12 +94,12 @@ def _last_sequence_error(model, batch, batching, allowed) -> float:
         return gpu_smoke.last_packed_vs_alone(model, batch, batching, allowed, log_probs)[0]
 
 
-def test_the_batch_is_build_batchs_and_packs_without_padding(tiny):
-    model, generations, batch, _, allowed = tiny
+def test_the_batch_is_the_trajectories_view_and_packs_without_padding(tiny):
+    model, trajectories, batch, _, allowed = tiny
     # Each row holds its prompt and its response, and packing keeps exactly those tokens, in one row.
-    lengths = [len(g.prompt.input_ids) + len(g.token_ids) for g in generations]
+    lengths = [len(t.token_ids) for t in trajectories]
     assert batch.attention_mask.sum(dim=1).tolist() == lengths
-    assert batch.response_mask.sum(dim=1).tolist() == [len(g.token_ids) for g in generations]
+    assert batch.response_mask.sum(dim=1).tolist() == [len(t.completion_ids) for t in trajectories]
     packed = packing.pack(batch)
     assert tuple(packed.input_ids.shape) == (1, sum(lengths)) and len(packed.targets) == len(packed.logit_index)
     # The rollout's ban (sampling_mask): the four vision special tokens of the shapes get no probability.

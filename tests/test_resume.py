@@ -172,8 +172,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.records import PromptSample
     from vlmrl.train.micro_batches import merged_mm_inputs
-    from vlmrl.records.views import build_batch
-    from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+        from vlmrl.rollout.vllm_engine import sampling_mask
 
     data = load_config(["config=examples/quickstart.yaml"]).data
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -186,10 +185,10 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
     for g in greedy:
         sample: PromptSample = dataset.sample(g["row"])
-        batch = build_batch(
-            [Generation(sample, 0, g["ids"], "", None)],
+        batch = batch_of(
+            [Response(sample, 0, g["ids"], "", None)],
             max_prompt_length=data.max_prompt_length, max_response_length=len(g["ids"]),
-            pad_token_id=processor.tokenizer.pad_token_id, model=model,
+            pad_token_id=processor.tokenizer.pad_token_id,
         )  # fmt: skip
         with torch.no_grad():
             logits = model(

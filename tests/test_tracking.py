@@ -23,8 +23,6 @@ from vlmrl.loggers.base import RunInfo, ValidationSample, flatten, image_strip
 from vlmrl.loggers.console import ConsoleLogger, format_line
 from vlmrl.loggers.mlflow_logger import mlflow_key
 from vlmrl.driver.perf import (
-    FlopsModel,
-    PerfMeter,
     count_parameters,
     measure_cpu_peak_flops,
     peak_flops,
@@ -367,34 +365,6 @@ def test_peak_table_covers_the_datacenter_gpus_and_prefers_the_longest_match():
     assert peak_flops("NVIDIA L40S") == 362e12
     assert peak_flops("H100") == 989e12  # Ray's accelerator_type form
     assert peak_flops("Tesla T4") is None
-
-
-def test_step_flops_count_2_per_forward_and_6_per_training_pass():
-    # N = 1000 parameters, T = 10 tokens, 2 PPO epochs, with a reference model:
-    # rollout 2NT + old 2NT + ref 2NT + 2 x 6NT = (6 + 12) x 10,000 = 180,000.
-    flops = FlopsModel(num_params=1000, ppo_epochs=2, use_reference=True)
-    assert flops.step_flops(10) == 180_000
-    assert flops.update_flops(10) == 120_000
-    # Without the reference: (4 + 12) x 10,000.
-    assert FlopsModel(1000, 2, use_reference=False).step_flops(10) == 160_000
-
-
-def test_perf_metrics_from_tokens_and_timings():
-    from types import SimpleNamespace
-
-    # 2 workers of 1 GFLOP/s each; 3 samples with 4 + 6 + 10 = 20 real tokens.
-    mask = torch.tensor([[1] * 4 + [0] * 6, [1] * 6 + [0] * 4, [1] * 10])
-    meter = PerfMeter(world_size=2, peak=1e9, flops=FlopsModel(num_params=1_000_000, ppo_epochs=1, use_reference=True))
-    metrics = meter.metrics(SimpleNamespace(attention_mask=mask), {"step": 4.0, "update_actor": 1.0})
-    assert metrics["perf/total_num_tokens"] == 20
-    assert metrics["perf/time_per_step"] == 4.0
-    assert metrics["perf/throughput"] == 20 / (4.0 * 2)  # tokens per second per device
-    # (2 + 2 + 2 + 6) x 1e6 x 20 = 2.4e8 FLOPs in 4 s on 2 GFLOP/s.
-    assert metrics["perf/mfu"] == pytest.approx(2.4e8 / (4.0 * 2e9))
-    # 6 x 1e6 x 20 = 1.2e8 FLOPs in 1 s on 2 GFLOP/s.
-    assert metrics["perf/mfu/actor"] == pytest.approx(1.2e8 / 2e9)
-    # No peak (a GPU not in the table): throughput, no MFU.
-    assert "perf/mfu" not in PerfMeter(2, None, meter.flops).metrics(SimpleNamespace(attention_mask=mask), {"step": 4.0})
 
 
 def test_parameter_count_from_safetensors_headers_matches_the_loaded_model(tiny_assets):

@@ -18,14 +18,14 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching, computed_tokens, merged_mm_inputs
-from vlmrl.records.views import build_batch
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.packing import trim
-from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+from vlmrl.rollout.vllm_engine import sampling_mask
 
 PROMPTS, N, RESPONSE = 3, 2, 6
 
@@ -70,13 +70,12 @@ def model_and_batch(tiny_assets):
         prompt = dataset[i]
         for k in range(N):
             ids = allowed_ids[torch.randint(len(allowed_ids), (lengths[i * N + k],), generator=gen)].tolist()
-            generations.append(Generation(prompt, i, ids, "", None))
-    batch = build_batch(
+            generations.append(Response(prompt, i, ids, "", None))
+    batch = batch_of(
         generations,
         max_prompt_length=128,
         max_response_length=RESPONSE,
         pad_token_id=processor.tokenizer.pad_token_id,
-        model=model,
     )
     log_probs, _ = compute_log_probs(model, batch, MicroBatching(8), allowed)
     # Old and reference log-probs a little off the current ones, so ratios leave 1 and some clip.

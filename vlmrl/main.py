@@ -22,7 +22,8 @@ from vlmrl.testing.resolvers import register_resolvers
 from vlmrl.validate import load_config
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks=None) -> int:
+    """Run ``python -m vlmrl.main ARGS``; ``hooks`` (a ``vlmrl.driver.hooks.RunHooks``) are for tests only."""
     args = sys.argv[1:] if argv is None else argv
     if "--help" in args or "-h" in args:
         try:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # training and validation reward actors
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=2).remote()
-    done = runner.run.remote(config, plan)
+    done = runner.run.remote(config, plan, hooks)
     with _stop_on_signals(lambda: runner.request_stop.remote()):
         # Wait in slices so a signal is handled within a second.
         while not ray.wait([done], timeout=1.0)[0]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from helpers.trajectories import Response, batch_of
 from vlmrl.config import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
@@ -27,8 +28,7 @@ from vlmrl.driver.runner import _dataset
 from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
-from vlmrl.records.views import build_batch
-from vlmrl.rollout.vllm_engine import Generation, sampling_mask
+from vlmrl.rollout.vllm_engine import sampling_mask
 
 
 def fixed_batch(config, model, processor):
@@ -40,13 +40,12 @@ def fixed_batch(config, model, processor):
     generations = []
     for i, length in enumerate([8, 2, 5, 3]):
         ids = allowed_ids[torch.randint(len(allowed_ids), (length,), generator=gen)].tolist()
-        generations.append(Generation(dataset[i // 2], i // 2, ids, "", None))
-    batch = build_batch(
+        generations.append(Response(dataset[i // 2], i // 2, ids, "", None))
+    batch = batch_of(
         generations,
         max_prompt_length=config.data.max_prompt_length,
         max_response_length=config.data.max_response_length,
         pad_token_id=processor.tokenizer.pad_token_id,
-        model=model,
     )
     return batch, allowed, gen
 

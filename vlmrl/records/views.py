@@ -70,23 +70,3 @@ def to_batch(
         rollout_log_probs=rollout_log_probs,
     )
 
-
-def build_batch(generations, *, max_prompt_length: int, max_response_length: int, pad_token_id: int, model=None):
-    """TEMPORARY (removed when the rollout worker makes trajectories itself): single-turn generations
-    (``prompt``, ``group_id``, ``token_ids``, ``text``, ``log_probs``, optional ``temperature``) as a Batch."""
-    seen: dict[int, int] = {}
-    trajectories = []
-    for g in generations:
-        index = seen.get(g.group_id, 0)
-        seen[g.group_id] = index + 1
-        trajectories.append(
-            Trajectory.single_turn(
-                g.prompt, g.group_id, index, g.token_ids, g.text, getattr(g, "temperature", 1.0), g.log_probs
-            )
-        )
-    return to_batch(
-        trajectories,
-        max_prompt_length=max_prompt_length,
-        max_response_length=max_response_length,
-        pad_token_id=pad_token_id,
-    )

@@ -34,25 +34,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import Engine, EngineBusy, EngineOutput, EngineRequest, NamedTensors, SampleOutput
 from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask  # noqa: F401 (their old home; tests import them here)
-
-
-@dataclass
-class Generation:
-    """One sampled response, before padding."""
-
-    prompt: PromptSample
-    group_id: int
-    token_ids: list[int]
-    text: str
-    log_probs: list[float] | None
 
 
 class VLLMEngine(Engine):
