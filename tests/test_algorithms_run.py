@@ -20,7 +20,7 @@ import pytest
 from helpers.runs import SMALL
 from transformers import AutoProcessor
 
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.checkpoint import CheckpointManager

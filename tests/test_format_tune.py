@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers.trajectories import Response, batch_of
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.synthetic import COLOURS
 from vlmrl.train.micro_batches import merged_mm_inputs

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from vlmrl.config import ConfigError, load_config
+from vlmrl.config import ConfigError
+
+from vlmrl.validate import load_config
 from vlmrl.plan import Cluster
 from vlmrl.reward.function import load_reward_function
 

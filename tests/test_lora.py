@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmrl.config import LoraConfig, load_config
+from vlmrl.config import LoraConfig
+
+from vlmrl.validate import load_config
 from vlmrl.export import export
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.runner import _dataset

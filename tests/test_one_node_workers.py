@@ -21,7 +21,7 @@ import pytest
 from helpers.multi_worker import check_workers_match_one_process, train
 from helpers.runs import SMALL
 
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
 from vlmrl.plan import detect_cluster, resolve
 
 BUCKET_MB = 1

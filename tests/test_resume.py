@@ -168,7 +168,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     """Teacher-force each greedy response through the HF model; every token must be the argmax."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlmrl.config import load_config
+    from vlmrl.validate import load_config
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.records import PromptSample
     from vlmrl.train.micro_batches import merged_mm_inputs

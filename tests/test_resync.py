@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers.runs import REPO
 
-from vlmrl.workers.hybrid import process_group_backend
+from vlmrl.workers.trainer import process_group_backend
 from vlmrl.rollout.vllm_engine import VLLMEngine
 from vlmrl.weight_sync.gather import plan_buckets
 

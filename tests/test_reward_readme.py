@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
 from vlmrl.reward.function import load_reward_function
 from vlmrl.reward.manager import REWARD_MANAGERS
 

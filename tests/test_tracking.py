@@ -18,7 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.config import Config, ConfigError, load_config, to_dict
+from vlmrl.config import Config, ConfigError, to_dict
+
+from vlmrl.validate import load_config
 from vlmrl.loggers.base import RunInfo, ValidationSample, flatten, image_strip
 from vlmrl.loggers.console import ConsoleLogger, format_line
 from vlmrl.loggers.mlflow_logger import mlflow_key

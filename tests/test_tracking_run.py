@@ -16,7 +16,9 @@ import pytest
 from helpers.runs import E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS
 from PIL import Image
 
-from vlmrl.config import load_config, to_dict
+from vlmrl.config import to_dict
+
+from vlmrl.validate import load_config
 from vlmrl.testing.synthetic import COLOURS
 
 STEPS = E2E_STEPS

@@ -116,6 +116,8 @@ class Plan:
     micro_batches_per_update: int
     """Gradient-accumulation micro-batches per optimizer step, per worker."""
     old_log_probs_from_update: bool
+    critic_warmup: int
+    """trainer.critic_warmup: the first steps train only the critic (and so always run the old pass)."""
     """The old log-probs come from the update's own forward (one on-policy update per step) instead of a pass."""
     prompts_per_generation: int
     """Prompts per generation call (data.mini_rollout_batch_size, else the whole step)."""
@@ -159,6 +161,15 @@ class Plan:
     notes: tuple[str, ...] = ()
     """Settings accepted but not acted on (vlmrl does not do them yet), one line each."""
 
+    def old_log_probs_from_forward(self, step: int, samples: int) -> bool:
+        """Whether this step's update gives the old log-probs itself (no old pass): the whole rule, in one place.
+
+        The config allows it (``old_log_probs_from_update``), the step trains the
+        actor (past the critic warm-up), and the batch is exactly one update's
+        mini-batch (online filtering can hand over a different count).
+        """
+        return self.old_log_probs_from_update and step > self.critic_warmup and samples == self.samples_per_update
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -188,6 +199,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
         micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
         old_log_probs_from_update=_old_log_probs_from_update(config),
+        critic_warmup=config.trainer.critic_warmup,
         prompts_per_generation=data.mini_rollout_batch_size or data.rollout_batch_size,
         rollout_prompt_length=data.max_prompt_length,
         rollout_response_length=data.max_response_length,

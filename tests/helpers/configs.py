@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.config import ConfigError, load_config
+from vlmrl.config import ConfigError
+
+from vlmrl.validate import load_config
 from vlmrl.plan import Cluster
 
 QUICKSTART = "config=examples/quickstart.yaml"

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers.trajectories import Response, batch_of
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
 from vlmrl.driver.checkpoint import CheckpointManager

@@ -43,7 +43,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmrl.config import load_config
+from vlmrl.validate import load_config
+from vlmrl.testing.resolvers import register_resolvers
+
+register_resolvers()  # run as its own process: quickstart.yaml names its model and data as ${tiny:...}
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.sampling import sampling_mask, seeded_requests

@@ -15,7 +15,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from transformers import AutoProcessor  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from vlmrl.config import load_config  # noqa: E402
+from vlmrl.validate import load_config  # noqa: E402
+from vlmrl.testing.resolvers import register_resolvers
+
+register_resolvers()  # run as its own process: quickstart.yaml names its model and data as ${tiny:...}
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.rollout.sampling import sampling_mask  # noqa: E402
 

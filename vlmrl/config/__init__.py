@@ -124,7 +124,6 @@ __all__ = [
     "field_docs",
     "help_text",
     "iter_options",
-    "load_config",
     "parse",
     "parse_config",
     "to_dict",
@@ -143,18 +142,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-def load_config(cli_args: list[str], cluster: Any = None) -> Config:
-    """Transitional: ``vlmrl.validate.load_config`` (``cluster`` a ``vlmrl.plan.Cluster``) for callers written
-    before validation left this package.
-
-    It also registers the ``${tiny:...}`` resolver, which importing this
-    package used to do, so those callers (scripts run in their own process
-    among them) behave as before. It is the one place where this package
-    reaches above the maths; it goes once they call ``vlmrl.validate``.
-    """
-    from vlmrl.testing.resolvers import register_resolvers
-    from vlmrl.validate import load_config as load_and_validate
-
-    register_resolvers()
-    return load_and_validate(cli_args, cluster)

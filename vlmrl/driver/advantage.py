@@ -36,11 +36,11 @@ class Advantages:
 
 
 class AdvantageStage:
-    def __init__(self, algo: AlgorithmConfig, use_reference: bool):
+    def __init__(self, algo: AlgorithmConfig, kl_in_reward: bool):
         self.algo = algo
         self.spec = algos.ADVANTAGE_ESTIMATORS[algo.adv_estimator]
         self.kl_controller = None
-        if use_reference and not algo.use_kl_loss:
+        if kl_in_reward:
             self.kl_controller = algos.make_kl_controller(
                 algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon
             )

@@ -96,7 +96,7 @@ class TrainingLoop:
                 tracker=tracker,
             )
         self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
-        self.advantages = AdvantageStage(config.algorithm, plan.use_reference)
+        self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward)
         self.actor_settings = UpdateSettings.from_config(config, plan)
         self.critic_settings = CriticSettings.from_config(config, plan) if plan.use_critic else None
         self.perf = PerfMeter.for_run(config, plan)
@@ -152,11 +152,7 @@ class TrainingLoop:
                 # 2. Log-probs under the current and the reference policy, and the critic's values,
                 #    while the rewards are computed.
                 # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
-                old_from_update = (
-                    self.plan.old_log_probs_from_update
-                    and step > self.config.trainer.critic_warmup
-                    and len(batch) == self.plan.samples_per_update
-                )
+                old_from_update = self.plan.old_log_probs_from_forward(step, len(batch))
                 entropy = None
                 if not old_from_update:
                     with timer("old", timings):

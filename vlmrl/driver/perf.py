@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import time
 from collections.abc import Mapping
@@ -207,7 +206,7 @@ class PerfMeter:
             source = "from the table" if peak else "not in the table, so no MFU"
         else:
             # One worker's share of the cores, as the worker group gives it (OMP_NUM_THREADS).
-            threads = max(1, (os.cpu_count() or 1) // plan.world_size)
+            threads = plan.threads_per_worker
             dtype = getattr(torch, plan.actor_dtype)
             peak = measure_cpu_peak_flops(threads, dtype)
             device, source = f"cpu ({threads} threads)", f"measured, {dtype}"

@@ -158,7 +158,7 @@ class UpdateSettings:
             ),
             max_grad_norm=actor.max_grad_norm,
             entropy_coeff=actor.entropy_coeff,
-            use_kl_loss=algo.use_kl_loss and not algo.disable_kl,
+            use_kl_loss=plan.kl_in_loss,
             kl_estimator=algo.kl_penalty,
             kl_coef=algo.kl_coef,
             max_token_len=plan.update_token_budget,
