@@ -31,7 +31,8 @@ from vlmrl.train import lora
 from vlmrl.train.actor import UpdateSettings, compute_log_probs
 from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.train.checkpoint import check_lora_matches
-from vlmrl.rollout.vllm_engine import SamplingOverrides, sampling_mask
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.sampling import sampling_mask
 
 RANK, ALPHA = 8, 16
 # Adam moves every adapter entry by about lr on the first step; this lr makes the merged
@@ -78,7 +79,9 @@ def lora_run(tmp_path_factory):
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     allowed = sampling_mask(processor.tokenizer, base.config.get_text_config().vocab_size)
     dataset = _dataset(config, config.data.train_files, processor)
-    sampling = SamplingOverrides(n=config.worker.rollout.n, temperature=1.0, want_log_probs=True)
+    sampling = Sampling(
+        n=config.worker.rollout.n, temperature=1.0, max_tokens=config.data.max_response_length, want_log_probs=True
+    )
     settings = UpdateSettings.from_config(config, plan)
 
     started_ray = not ray.is_initialized()

@@ -28,7 +28,7 @@ from vlmrl.driver.runner import _dataset
 from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
-from vlmrl.rollout.vllm_engine import sampling_mask
+from vlmrl.rollout.sampling import sampling_mask
 
 
 def fixed_batch(config, model, processor):

@@ -65,7 +65,9 @@ def to_batch(
         responses=input_ids[:, max_prompt_length:].clone(),
         response_mask=response_mask,
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
-        temperatures=torch.tensor([t.temperature for t in trajectories], dtype=torch.float32),
+        # A greedy sample (temperature 0) is scored at temperature 1, the model's own distribution: the point
+        # mass greedy decoding samples from has no log-probs to compare.
+        temperatures=torch.tensor([t.temperature or 1.0 for t in trajectories], dtype=torch.float32),
         policy_versions=versions,
         rollout_log_probs=rollout_log_probs,
     )

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from vlmrl.rollout.engine import Engine, EngineBusy, EngineOutput, EngineRequest, NamedTensors, SampleOutput
-from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask  # noqa: F401 (their old home; tests import them here)
 
 
 class VLLMEngine(Engine):
