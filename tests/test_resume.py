@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trajectories import Response, batch_of
 from helpers.runs import (
     E2E_STEPS,
     E2E_TRAINING,
