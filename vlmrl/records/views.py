@@ -30,33 +30,53 @@ def to_batch(
 ) -> Batch:
     n = len(trajectories)
     width = max_prompt_length + max_response_length
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    position_ids = torch.zeros((n, 3, width), dtype=torch.long)
-    response_mask = torch.zeros((n, max_response_length), dtype=torch.long)
-    versions = torch.full((n, max_response_length), -1, dtype=torch.long)
-    want_log_probs = n > 0 and all(t.log_probs is not None for t in trajectories)
-    rollout_log_probs = torch.zeros((n, max_response_length)) if want_log_probs else None
-    for i, t in enumerate(trajectories):
-        p = t.prompt_length
-        if p > max_prompt_length:
+    for t in trajectories:
+        if t.prompt_length > max_prompt_length:
             raise ValueError(
-                f"row {t.row_index}: prompt of {p} tokens exceeds data.max_prompt_length={max_prompt_length}"
+                f"row {t.row_index}: prompt of {t.prompt_length} tokens exceeds "
+                f"data.max_prompt_length={max_prompt_length}"
             )
-        tokens = torch.tensor(t.token_ids, dtype=torch.long)
-        r = min(len(t.token_ids) - p, max_response_length)
-        lo, hi = max_prompt_length - p, max_prompt_length + r
-        input_ids[i, lo:hi] = tokens[: p + r]
-        attention_mask[i, lo:hi] = 1
-        position_ids[i, :, lo:hi] = t.position_ids[:, : p + r]
+    # One scatter per field over every row's kept tokens, rather than a few small copies per row: a step's
+    # view is built on the driver and on every worker, and per-row tensor ops add up to tens of ms there.
+    prompts = [t.prompt_length for t in trajectories]
+    completions = [min(len(t.token_ids) - p, max_response_length) for t, p in zip(trajectories, prompts)]
+    kept = torch.tensor([p + r for p, r in zip(prompts, completions)], dtype=torch.long)
+    row, within = _rows_and_offsets(kept)
+    col = torch.repeat_interleave(max_prompt_length - torch.tensor(prompts, dtype=torch.long), kept) + within
+    tokens = [x for t, k in zip(trajectories, kept.tolist()) for x in t.token_ids[:k]]
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    input_ids[row, col] = torch.tensor(tokens, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    attention_mask[row, col] = 1
+    position_ids = torch.zeros((n, 3, width), dtype=torch.long)
+    if n:
+        flat = torch.cat([t.position_ids[:, :k].long() for t, k in zip(trajectories, kept.tolist())], dim=1)
+        position_ids[row, :, col] = flat.T
         # Past the last real token the positions count on from the largest one so far, as text would.
-        last = int(t.position_ids[:, : p + r].max()) if p + r else -1
-        position_ids[i, :, hi:] = last + 1 + torch.arange(width - hi)
-        response_mask[i, :r] = torch.tensor(t.loss_mask[p : p + r], dtype=torch.long)
-        if t.versions:
-            versions[i, :r] = torch.tensor(t.versions[p : p + r], dtype=torch.long)
-        if rollout_log_probs is not None:
-            rollout_log_probs[i, :r] = torch.tensor(t.log_probs[p : p + r])
+        last = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, row, flat.amax(dim=0), "amax")
+        end = max_prompt_length + torch.tensor(completions, dtype=torch.long)  # (n,) first padding column
+        columns = torch.arange(width)
+        after = columns[None, :] >= end[:, None]  # (n, width)
+        counted = last[:, None] + 1 + (columns[None, :] - end[:, None])
+        position_ids = torch.where(after[:, None, :], counted[:, None, :], position_ids)
+    # The per-token fields of the tokens after the prompt, in (B, R) response coordinates.
+    r_row, r_col = _rows_and_offsets(torch.tensor(completions, dtype=torch.long))
+    spans = [(p, p + r) for p, r in zip(prompts, completions)]
+    response_mask = torch.zeros((n, max_response_length), dtype=torch.long)
+    response_mask[r_row, r_col] = torch.tensor(
+        [m for t, (lo, hi) in zip(trajectories, spans) for m in t.loss_mask[lo:hi]], dtype=torch.long
+    )
+    versions = torch.full((n, max_response_length), -1, dtype=torch.long)
+    versions[r_row, r_col] = torch.tensor(
+        [v for t, (lo, hi) in zip(trajectories, spans) for v in (t.versions[lo:hi] or [-1] * (hi - lo))],
+        dtype=torch.long,
+    )
+    rollout_log_probs = None
+    if n and all(t.log_probs is not None for t in trajectories):
+        rollout_log_probs = torch.zeros((n, max_response_length))
+        rollout_log_probs[r_row, r_col] = torch.tensor(
+            [x for t, (lo, hi) in zip(trajectories, spans) for x in t.log_probs[lo:hi]], dtype=torch.float32
+        )
     return Batch(
         trajectories=list(trajectories),
         input_ids=input_ids,
@@ -72,3 +92,14 @@ def to_batch(
         rollout_log_probs=rollout_log_probs,
     )
 
+
+
+def _rows_and_offsets(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of ``counts[i]`` items each: every item's row, and its index within the row.
+
+    >>> _rows_and_offsets(torch.tensor([2, 0, 3]))
+    (tensor([0, 0, 2, 2, 2]), tensor([0, 1, 0, 1, 2]))
+    """
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return rows, torch.arange(int(counts.sum())) - starts
