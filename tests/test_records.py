@@ -114,3 +114,29 @@ def test_the_store_builds_the_view_of_the_rows_asked_for_with_only_that_passs_fi
     store.release()
     with pytest.raises(KeyError):
         store.batch(PassInput(["0:0"]))
+
+
+def test_a_row_sent_again_under_a_held_id_replaces_the_held_one_and_its_view():
+    store = TrajectoryStore(max_prompt_length=2, max_response_length=2, pad_token_id=PAD)
+    first = Trajectory.single_turn(prompt(0, [1, 2]), 0, 0, [3], "", 1.0)
+    store.hold([first])
+    assert store.batch(PassInput(["0:0"])).responses.tolist() == [[3, 0]]
+    other = Trajectory.single_turn(prompt(0, [1, 2]), 0, 0, [4, 5], "", 1.0)
+    assert store.batch(PassInput(["0:0"], new_rows=[other])).responses.tolist() == [[4, 5]]
+
+
+def test_the_worker_group_sends_a_row_once_and_again_when_another_trajectory_takes_its_id():
+    from vlmrl.workers.group import WorkerGroup
+
+    group = WorkerGroup.__new__(WorkerGroup)  # the driver-side bookkeeping only: no Ray, no workers
+    group.world_size, group.holders = 1, {}
+    rows = [Trajectory.single_turn(prompt(i, [1, 2]), i, 0, [3], "", 1.0) for i in range(2)]
+    batch = to_batch(rows, max_prompt_length=2, max_response_length=1, pad_token_id=PAD)
+    (first,), _ = group.scatter(batch)
+    assert first.sample_ids == ["0:0", "1:0"] and first.new_rows == rows
+    (second,), _ = group.scatter(batch)
+    assert second.new_rows == []  # the worker holds both now
+    replaced = to_batch([Trajectory.single_turn(prompt(0, [1, 2]), 0, 0, [4], "", 1.0), rows[1]],
+                        max_prompt_length=2, max_response_length=1, pad_token_id=PAD)  # fmt: skip
+    (third,), _ = group.scatter(replaced)
+    assert [t.completion_ids for t in third.new_rows] == [[4]]

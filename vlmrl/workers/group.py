@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vlmrl.config import Config
 from vlmrl.plan import Plan
-from vlmrl.records import Batch, PromptSample
+from vlmrl.records import Batch, PromptSample, Trajectory
 from vlmrl.records.views import to_batch
 from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
@@ -149,8 +149,9 @@ class WorkerGroup:
             for rank in self.pool.ranks()
         ]
         self.pad_token_id = ray.get(self.workers[0].pad_token_id.remote())
-        self.holders: dict[str, set[int]] = {}
-        """Which workers hold each training row of the step (sample id -> ranks)."""
+        self.holders: dict[str, tuple[Trajectory, set[int]]] = {}
+        """Each row a worker holds this step: sample id -> (the trajectory the workers hold, their ranks).
+        A batch that brings another trajectory under a held id sends it again, so no worker scores a stale row."""
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the rollout calls' pieces since the last ``take_rollout_timings``."""
 
@@ -189,14 +190,25 @@ class WorkerGroup:
         parts = self._parts(batch)
         inputs = []
         for rank, rows in enumerate(parts):
-            ids = [batch.trajectories[i].sample_id for i in rows]
-            new_rows = [batch.trajectories[i] for i, sid in zip(rows, ids) if rank not in self.holders.get(sid, ())]
-            for sid in ids:
-                self.holders.setdefault(sid, set()).add(rank)
+            ids, new_rows = [], []
+            for i in rows:
+                t = batch.trajectories[i]
+                ids.append(t.sample_id)
+                held = self._held_by(t)
+                if rank not in held:
+                    new_rows.append(t)
+                    held.add(rank)
             values = {name: getattr(batch, name) for name in fields}
             index = torch.tensor(rows, dtype=torch.long)
             inputs.append(PassInput(ids, new_rows, {k: v.index_select(0, index) for k, v in values.items()}))
         return inputs, parts
+
+    def _held_by(self, trajectory: Trajectory) -> set[int]:
+        """The ranks holding exactly this trajectory (none when its id is held for another one)."""
+        held = self.holders.get(trajectory.sample_id)
+        if held is None or held[0] is not trajectory:
+            held = self.holders[trajectory.sample_id] = (trajectory, set())
+        return held[1]
 
     @staticmethod
     def gather(results: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
@@ -230,7 +242,7 @@ class WorkerGroup:
                 )
                 trajectories.append(full)
                 if keep:
-                    self.holders.setdefault(t.sample_id, set()).add(rank)
+                    self._held_by(full).add(rank)
         data = self.config.data
         batch = to_batch(
             trajectories,

@@ -49,7 +49,10 @@ class TrajectoryStore:
         """The last view built, by its row ids: the passes of a step ask for the same rows in the same order."""
 
     def hold(self, trajectories: list[Trajectory]) -> None:
-        self.held.update((t.sample_id, t) for t in trajectories)
+        """Keep ``trajectories``; one under an id already held replaces it (the view is then rebuilt)."""
+        if trajectories:
+            self.held.update((t.sample_id, t) for t in trajectories)
+            self._view = None
 
     def release(self) -> None:
         self.held.clear()
