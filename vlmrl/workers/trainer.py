@@ -23,7 +23,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan, weights_dtype
-from vlmrl.records import Batch, Trajectory
+from vlmrl.records import Trajectory
 from vlmrl.rollout.sampling import sampling_mask
 from vlmrl.train import actor as actor_passes
 from vlmrl.train import checkpoint as ckpt
