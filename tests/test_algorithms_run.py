@@ -27,7 +27,8 @@ from vlmrl.driver.checkpoint import CheckpointManager
 from vlmrl.driver.loop import TrainingLoop
 from vlmrl.driver.runner import _dataset
 from vlmrl.driver.sampler import OnlineFilteringError
-from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
+from vlmrl.config import LoggerName
+from vlmrl.loggers.tracking import RunInfo, Tracker
 
 STEPS = 2
 

@@ -18,7 +18,7 @@ from transformers import AutoProcessor
 
 from vlmrl.data.dataset import DataError, RLHFDataset
 from vlmrl.data.loader import make_loader
-from vlmrl.data.options import BadSamplePolicy
+from vlmrl.config import BadSamplePolicy
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544  # 4..16 merged tokens per image or frame
 

@@ -20,7 +20,7 @@ from helpers.reward_batch import make_batch
 
 from vlmrl.config import RewardConfig
 from vlmrl.reward.function import RewardFunctionError
-from vlmrl.reward.options import TimeoutPolicy
+from vlmrl.config import TimeoutPolicy
 from vlmrl.driver.scoring import start_scorers
 
 REWARDS = """

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.config import Config, ConfigError, to_dict
+from vlmrl.config import Config, ConfigError, LoggerName, to_dict
 
 from vlmrl.validate import load_config
 from vlmrl.loggers.base import RunInfo, ValidationSample, flatten, image_strip
@@ -29,13 +29,8 @@ from vlmrl.driver.perf import (
     measure_cpu_peak_flops,
     peak_flops,
 )
-from vlmrl.loggers.tracking import (
-    LOGGERS,
-    PACKAGES,
-    LoggerName,
-    Tracker,
-    logger_problems,
-)
+from vlmrl.loggers.tracking import LOGGERS, PACKAGES, Tracker
+from vlmrl.validate import logger_problems
 
 REPO = Path(__file__).resolve().parents[1]
 

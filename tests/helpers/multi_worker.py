@@ -25,7 +25,8 @@ from vlmrl.driver.checkpoint import CheckpointManager
 from vlmrl.algos import LossAvgMode
 from vlmrl.driver.loop import TrainingLoop
 from vlmrl.driver.runner import _dataset
-from vlmrl.loggers.tracking import LoggerName, RunInfo, Tracker
+from vlmrl.config import LoggerName
+from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.rollout.sampling import sampling_mask

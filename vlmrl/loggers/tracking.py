@@ -6,16 +6,16 @@ and, for a resumed run, what each logger needs to continue its run
 (``state()`` now, ``Tracker(..., resume_state=...)`` later).
 
 Adding a logger is one class with the ``Logger`` methods (loggers/base.py),
-one ``LoggerName`` member and one ``LOGGERS`` entry, plus its package in
-``PACKAGES`` if it needs one that may be missing.
+one ``vlmrl.config.LoggerName`` member (the config's option enum) and one
+``LOGGERS`` entry, plus its package in ``PACKAGES`` if it needs one that may
+be missing; ``vlmrl.validate`` checks those packages before a run starts.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib.util
 from typing import Any
 
+from vlmrl.config import LoggerName
 from vlmrl.loggers.base import Logger, RunInfo, ValidationSample
 from vlmrl.loggers.console import ConsoleLogger
 from vlmrl.loggers.jsonl import FileLogger
@@ -24,22 +24,7 @@ from vlmrl.loggers.swanlab_logger import SwanlabLogger
 from vlmrl.loggers.tensorboard_logger import TensorBoardLogger
 from vlmrl.loggers.wandb_logger import WandbLogger
 
-__all__ = ["LOGGERS", "LoggerName", "RunInfo", "Tracker", "ValidationSample", "logger_problems"]
-
-
-class LoggerName(str, enum.Enum):
-    console = "console"
-    """A compact line per step on stdout."""
-    file = "file"
-    """JSON lines, one per step, in <experiment dir>/metrics.jsonl."""
-    mlflow = "mlflow"
-    """MLflow; an embedded SQLite store in the experiment dir unless MLFLOW_TRACKING_URI is set."""
-    tensorboard = "tensorboard"
-    """TensorBoard event files in <experiment dir>/tensorboard/."""
-    wandb = "wandb"
-    """Weights & Biases (needs the wandb package)."""
-    swanlab = "swanlab"
-    """SwanLab (needs the swanlab package)."""
+__all__ = ["LOGGERS", "PACKAGES", "RunInfo", "Tracker", "ValidationSample"]
 
 
 LOGGERS: dict[LoggerName, type] = {
@@ -58,22 +43,6 @@ PACKAGES: dict[LoggerName, str] = {
     LoggerName.swanlab: "swanlab",
 }
 """The package each logger imports, checked when the config is validated."""
-
-
-def logger_problems(names: list[LoggerName]) -> list[str]:
-    """What is wrong with a ``trainer.logger`` list: repeated names and loggers whose package is missing."""
-    problems = []
-    repeated = sorted({n.value for n in names if names.count(n) > 1})
-    if repeated:
-        problems.append(f"trainer.logger names {', '.join(repeated)} more than once; list each logger once")
-    for name in dict.fromkeys(names):
-        package = PACKAGES.get(name)
-        if package and importlib.util.find_spec(package) is None:
-            problems.append(
-                f"trainer.logger: {name.value} needs the {package} package, which is not installed; "
-                f"`pip install {package}` or remove {name.value} from trainer.logger"
-            )
-    return problems
 
 
 class Tracker:

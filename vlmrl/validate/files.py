@@ -108,10 +108,8 @@ def logger_problems(names: list[LoggerName]) -> list[str]:
     repeated = sorted({n.value for n in names if names.count(n) > 1})
     if repeated:
         problems.append(f"trainer.logger names {', '.join(repeated)} more than once; list each logger once")
-    # The loggers key their packages by name; the config's names are the same strings.
-    packages = {getattr(name, "value", name): package for name, package in PACKAGES.items()}
     for name in dict.fromkeys(names):
-        package = packages.get(name.value)
+        package = PACKAGES.get(name)
         # find_spec only looks the package up: a missing one is reported without importing any.
         if package and importlib.util.find_spec(package) is None:
             problems.append(
