@@ -1025,22 +1025,6 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
             "worker.actor.optim.strategy=adamw_bf16: {TODO}",
         ),
         (
-            "worker.actor.optim.lr_scheduler_type=cosine",
-            "worker.actor.optim.lr_scheduler_type=cosine: {TODO}",
-        ),
-        (
-            "worker.actor.optim.lr_warmup_ratio=0.1",
-            "worker.actor.optim learning-rate warm-up: {TODO}",
-        ),
-        (
-            "worker.actor.optim.lr_warmup_steps=5",
-            "worker.actor.optim learning-rate warm-up: {TODO}",
-        ),
-        (
-            "worker.actor.optim.min_lr_ratio=0.1",
-            "worker.actor.optim.min_lr_ratio=0.1: {TODO}",
-        ),
-        (
             "worker.rollout.limit_images=2",
             "worker.rollout.limit_images=2: {TODO}; set worker.rollout.limit_images=0",
         ),

@@ -267,6 +267,12 @@ def _notes(config: Config) -> tuple[str, ...]:
     sections = [("worker.actor", worker.actor)]
     if uses_critic(config):
         sections.append(("worker.critic", worker.critic))
+    for section, cfg in sections:
+        if cfg.optim.min_lr_ratio and cfg.optim.lr_scheduler_type == "constant":
+            notes.append(
+                f"{section}.optim.min_lr_ratio={cfg.optim.min_lr_ratio}: only the cosine schedule reads it "
+                f"({section}.optim.lr_scheduler_type=constant)"
+            )
     if worker.actor.use_torch_compile:
         notes.append("worker.actor.use_torch_compile=true: vlmrl runs the actor eagerly (same result, slower)")
     models = ["actor"] + ["ref"] * uses_reference(config) + ["critic"] * (len(sections) > 1)

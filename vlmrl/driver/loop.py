@@ -16,6 +16,7 @@ from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from vlmrl.driver.resume import fingerprint
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
 from vlmrl.driver.sampler import RolloutSampler
@@ -97,11 +98,12 @@ class TrainingLoop:
             )
         self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
         self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward)
-        self.actor_settings = UpdateSettings.from_config(config, plan)
-        self.critic_settings = CriticSettings.from_config(config, plan) if plan.use_critic else None
-        self.perf = PerfMeter.for_run(config, plan)
         total = self.steps_per_epoch * config.trainer.total_epochs
         self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
+        # The learning-rate schedules span the run's training steps (EasyR1's optim.training_steps).
+        self.actor_settings = UpdateSettings.from_config(config, plan, self.total_steps)
+        self.critic_settings = CriticSettings.from_config(config, plan, self.total_steps) if plan.use_critic else None
+        self.perf = PerfMeter.for_run(config, plan)
 
     def _prompt_batches(self):
         """Training prompt batches from where the run stands, across epochs, without end.
@@ -239,7 +241,10 @@ class TrainingLoop:
         }
         save_trainer_state(tmp, state)
         (tmp / "config.json").write_text(
-            json.dumps({"config": to_dict(self.config), "plan": self.plan.as_dict()}, indent=2)
+            json.dumps(
+                {"config": to_dict(self.config), "plan": self.plan.as_dict(), "fingerprint": fingerprint(self.config)},
+                indent=2,
+            )
         )
         if self.hooks.checkpoint_written is not None:
             self.hooks.checkpoint_written(step)

@@ -24,6 +24,7 @@ from vlmrl.records import Batch
 from vlmrl import algos
 from vlmrl.algos import KLEstimator, PolicyLossParams, PolicyLossType
 from vlmrl.train import packing
+from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs
 from vlmrl.train.update_loop import run_epochs
 
@@ -134,13 +135,16 @@ class UpdateSettings:
     max_token_len: int | None = None
     """Dynamic batching: token budget of an update micro-batch; None: micro_batch_size samples."""
     padding_free: bool = False
+    lr_schedule: LRSchedule | None = None
+    """The learning rate of each update; None keeps the optimizer's (optim.lr)."""
 
     @property
     def batching(self) -> MicroBatching:
         return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
 
     @classmethod
-    def from_config(cls, config: Config, plan: Plan) -> UpdateSettings:
+    def from_config(cls, config: Config, plan: Plan, training_steps: int | None = None) -> UpdateSettings:
+        """``training_steps`` (the run's length, known once the data is loaded) gives the learning-rate schedule."""
         actor, algo = config.worker.actor, config.algorithm
         return cls(
             samples_per_update=plan.samples_per_update // plan.world_size,
@@ -163,6 +167,7 @@ class UpdateSettings:
             kl_coef=algo.kl_coef,
             max_token_len=plan.update_token_budget,
             padding_free=actor.padding_free,
+            lr_schedule=None if training_steps is None else LRSchedule.from_optim(actor.optim, training_steps),
         )
 
 

@@ -25,6 +25,7 @@ from vlmrl.records import Batch
 from vlmrl import algos
 from vlmrl.algos import LossAvgMode
 from vlmrl.train import packing
+from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, merged_mm_inputs
 from vlmrl.train.update_loop import run_epochs
 
@@ -93,13 +94,15 @@ class CriticSettings:
     max_token_len: int | None = None
     """Dynamic batching: the token budget of an update micro-batch; None: micro_batch_size samples."""
     padding_free: bool = False
+    lr_schedule: LRSchedule | None = None
+    """The learning rate of each critic update; None keeps the optimizer's (optim.lr)."""
 
     @property
     def batching(self) -> MicroBatching:
         return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
 
     @classmethod
-    def from_config(cls, config: Config, plan: Plan) -> CriticSettings:
+    def from_config(cls, config: Config, plan: Plan, training_steps: int | None = None) -> CriticSettings:
         critic = config.worker.critic
         return cls(
             samples_per_update=critic.global_batch_size * config.worker.rollout.n // plan.world_size,
@@ -111,6 +114,7 @@ class CriticSettings:
             norm_len=config.data.max_response_length,
             max_token_len=plan.critic_update_token_budget,
             padding_free=critic.padding_free,
+            lr_schedule=None if training_steps is None else LRSchedule.from_optim(critic.optim, training_steps),
         )
 
 

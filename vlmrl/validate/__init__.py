@@ -22,6 +22,7 @@ from __future__ import annotations
 from vlmrl.config import Config, ConfigError
 from vlmrl.config.loading import parse
 from vlmrl.plan import Cluster, detect_cluster
+from vlmrl.validate.agents import multi_turn_problems
 from vlmrl.validate.features import (
     device_problems,
     estimator_problems,
@@ -30,7 +31,7 @@ from vlmrl.validate.features import (
     not_supported_yet,
 )
 from vlmrl.validate.files import checkpoint_problems, logger_problems, path_problems
-from vlmrl.validate.numbers import batch_problems, range_problems, validation_problems
+from vlmrl.validate.numbers import batch_problems, range_problems, schedule_problems, validation_problems
 
 __all__ = ["load_config", "logger_problems", "validate"]
 
@@ -61,11 +62,13 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *path_problems(config),
         *range_problems(config),
         *batch_problems(config),
+        *schedule_problems(config),
         *kl_problems(config.algorithm),
         *estimator_problems(config),
         *lora_problems(config),
         *device_problems(config, cluster),
         *validation_problems(config),
+        *multi_turn_problems(config),
         *checkpoint_problems(config.trainer),
         *logger_problems(config.trainer.logger),
         *not_supported_yet(config, cluster),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator
-from vlmrl.config import AlgorithmConfig, Config, Device, LRSchedulerType, OptimizerStrategy
+from vlmrl.config import AlgorithmConfig, Config, Device, OptimizerStrategy
 from vlmrl.plan import Cluster, device, uses_critic, uses_reference, weights_dtype, world_size
 
 __all__ = [
@@ -206,13 +206,6 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
                  f"set {section}.ulysses_size=1"),
                 (optim.strategy is not OptimizerStrategy.adamw, f"{section}.optim.strategy={optim.strategy.value}",
                  f"set {section}.optim.strategy=adamw"),
-                (optim.lr_scheduler_type is not LRSchedulerType.constant,
-                 f"{section}.optim.lr_scheduler_type={optim.lr_scheduler_type.value}",
-                 f"set {section}.optim.lr_scheduler_type=constant"),
-                (optim.lr_warmup_ratio > 0 or bool(optim.lr_warmup_steps), f"{section}.optim learning-rate warm-up",
-                 f"set {section}.optim.lr_warmup_ratio=0 and lr_warmup_steps=null"),
-                (optim.min_lr_ratio is not None, f"{section}.optim.min_lr_ratio={optim.min_lr_ratio}",
-                 f"unset {section}.optim.min_lr_ratio (null)"),
             ]  # fmt: skip
     return [
         f"{what}: not supported by vlmrl yet; {fix}"

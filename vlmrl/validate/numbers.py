@@ -7,7 +7,7 @@ from __future__ import annotations
 from vlmrl.config import Config
 from vlmrl.plan import uses_critic, world_size
 
-__all__ = ["batch_problems", "range_problems", "sampling_problems", "validation_problems"]
+__all__ = ["batch_problems", "range_problems", "sampling_problems", "schedule_problems", "validation_problems"]
 
 
 def range_problems(config: Config) -> list[str]:
@@ -122,6 +122,31 @@ def range_problems(config: Config) -> list[str]:
         problems.append(
             f"trainer.critic_warmup={trainer.critic_warmup}: must be 0 or more"
         )
+    return problems
+
+
+def schedule_problems(config: Config) -> list[str]:
+    """The learning-rate schedule keys of each trained model: shares in [0, 1], whole warm-up steps."""
+    problems = []
+    sections = [("worker.actor", config.worker.actor.optim)]
+    if uses_critic(config):
+        sections.append(("worker.critic", config.worker.critic.optim))
+    for section, optim in sections:
+        if not 0 <= optim.lr_warmup_ratio <= 1:
+            problems.append(
+                f"{section}.optim.lr_warmup_ratio={_num(optim.lr_warmup_ratio)}: must be in [0, 1] (the share of "
+                "the training steps spent warming up)"
+            )
+        if optim.lr_warmup_steps is not None and optim.lr_warmup_steps < 0:
+            problems.append(
+                f"{section}.optim.lr_warmup_steps={optim.lr_warmup_steps}: must be 0 or more, or null to use "
+                "lr_warmup_ratio"
+            )
+        if optim.min_lr_ratio is not None and not 0 <= optim.min_lr_ratio <= 1:
+            problems.append(
+                f"{section}.optim.min_lr_ratio={_num(optim.min_lr_ratio)}: must be in [0, 1] (the cosine "
+                "schedule's last rate as a share of lr), or null for 0"
+            )
     return problems
 
 

@@ -31,6 +31,7 @@ from vlmrl.train import critic as critic_passes
 from vlmrl.train import lora as lora_adapters
 from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
+from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
 from vlmrl.train.micro_batches import MicroBatching, TokenCount
 from vlmrl.workers.store import PassInput, TrajectoryStore
 
@@ -168,6 +169,18 @@ class TrainerWorker:
         self.store = TrajectoryStore(
             config.data.max_prompt_length, config.data.max_response_length, self.tokenizer.pad_token_id
         )
+        self.schedule_states = {"actor": ScheduleState(), "critic": ScheduleState()}
+        """Scheduler steps taken by each trained model (its learning-rate schedule's whole state)."""
+
+    def _scheduled_lr(self, model: str, optimizer: torch.optim.Optimizer, schedule: LRSchedule | None) -> float:
+        """Set this update's learning rate from the schedule and advance it; the rate the update runs at."""
+        if schedule is None:
+            return optimizer.param_groups[0]["lr"]
+        state = self.schedule_states[model]
+        lr = schedule.lr(state.steps)
+        set_lr(optimizer, lr)
+        state.steps += 1
+        return lr
 
     # ----------------------------------------------------------- the step's rows
 
@@ -208,10 +221,12 @@ class TrainerWorker:
     def update_actor(
         self, request: PassInput, settings: actor_passes.UpdateSettings, old_from_forward: bool
     ) -> actor_passes.ActorUpdate:
+        lr = self._scheduled_lr("actor", self.optimizer, settings.lr_schedule)
         update = actor_passes.update_policy(
             self.actor, self.optimizer, self.store.batch(request), settings, self.allowed_tokens, old_from_forward
         )
         metrics = update.metrics
+        metrics["actor/lr"] = lr  # the rate this step's updates ran at (EasyR1 logs the same for the actor)
         metrics.update(_peak_memory(self.plan.device))  # host: the process's peak so far, rollouts included
         if self.experience_tokens.computed:
             metrics["actor/padding_share_logprob"] = self.experience_tokens.padding_share
@@ -250,7 +265,10 @@ class TrainerWorker:
     def update_critic(self, request: PassInput, settings: critic_passes.CriticSettings) -> dict[str, float]:
         if self.critic is None:
             raise RuntimeError("critic update requested but the run has no critic (only adv_estimator=gae trains one)")
-        return critic_passes.update_critic(self.critic, self.critic_optimizer, self.store.batch(request), settings)
+        lr = self._scheduled_lr("critic", self.critic_optimizer, settings.lr_schedule)
+        metrics = critic_passes.update_critic(self.critic, self.critic_optimizer, self.store.batch(request), settings)
+        metrics["critic/lr"] = lr  # the rate this step's updates ran at (EasyR1 logs the next step's)
+        return metrics
 
     # ----------------------------------------------------------- checkpoints
     @uses("actor", "actor_optimizer", "critic", "critic_optimizer")
@@ -265,6 +283,10 @@ class TrainerWorker:
             ckpt.save_lora_config(actor_dir, self.lora)
         if self.critic is not None:
             ckpt.save_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank, model_only)
+        if self.rank == 0:  # every rank steps its schedule alike; also in model-only checkpoints
+            self.schedule_states["actor"].save(actor_dir)
+            if self.critic is not None:
+                self.schedule_states["critic"].save(Path(path) / "critic")
         full = ckpt.full_model_state(self.actor) if hf_weights else None
         if full is not None and self.lora is not None:
             full = dict(self.hf_weights(full.items()))  # plain HF weights: the directory loads without peft
@@ -289,4 +311,7 @@ class TrainerWorker:
         restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
         if self.critic is not None and (Path(path) / "critic").is_dir():
             ckpt.load_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank)
+        for model in ("actor", "critic"):
+            # A checkpoint from before schedules were saved starts its schedule over.
+            self.schedule_states[model] = ScheduleState.load(Path(path) / model) or ScheduleState()
         return restored_optimizer
