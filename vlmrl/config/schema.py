@@ -57,6 +57,7 @@ __all__ = [
     "OptimConfig",
     "RefConfig",
     "RewardConfig",
+    "MultiTurnConfig",
     "RolloutConfig",
     "TrainerConfig",
     "ValOverrideConfig",
@@ -340,6 +341,35 @@ class ValOverrideConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts: the model calls tools, or acts in an environment, over several turns; only its own
+    tokens are trained (verl's ``multi_turn.*`` where it has the key)."""
+
+    enable: bool = False
+    """Roll out conversations instead of single responses; needs tools or env."""
+    tools: list[str] = field(default_factory=list)
+    """Tool functions, each path/to/file.py:function; their schemas reach the chat template's tools=."""
+    env: str | None = None
+    """An environment class, path/to/file.py:Class, with reset(sample) and step(action); instead of tools."""
+    format: str = "qwen"
+    """How tool calls are written: qwen (<tool_call>{json}</tool_call>, also called hermes), or a parser function
+    path/to/file.py:function."""
+    max_turns: int = 4
+    """Model turns per trajectory at most (verl: max_assistant_turns)."""
+    max_tokens_per_turn: int | None = None
+    """Tokens one model turn may sample; null: what is left of data.max_response_length, the whole trajectory's
+    budget after the prompt (model and tool tokens together)."""
+    max_tool_response_length: int = 256
+    """Tokens of a tool's (or the environment's) text per call; longer text is cut at the end."""
+    max_images: int = 4
+    """Images tools or the environment may add to one trajectory; further ones are left out and the model is told."""
+    tool_timeout: float = 30.0
+    """Seconds one tool call (or environment step) may take; past it the model gets an error observation."""
+    max_parallel_calls: int = 4
+    """Tool calls run per model turn, concurrently; further calls of that turn are answered with an error."""
+
+
+@dataclass
 class RolloutConfig:
     name: RolloutName = RolloutName.vllm
     """The generation engine."""
@@ -388,6 +418,8 @@ class RolloutConfig:
     buckets of about this many MB (one all-gather each); a resync's extra memory is about two buckets."""
     val_override_config: ValOverrideConfig = field(default_factory=ValOverrideConfig)
     """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """vlmrl addition: tool-using and environment rollouts over several turns."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from transformers import AutoConfig
 from transformers.video_utils import VideoMetadata
 
 from vlmrl.config.options import BadSamplePolicy
+from vlmrl.data.chat import template_has_tools, tools_system_message
 from vlmrl.data.errors import BadRowError, DataError
 from vlmrl.data.media import (
     MediaError,
@@ -100,8 +101,11 @@ class RLHFDataset(torch.utils.data.Dataset):
         video_fps: float = 2.0,
         on_bad_sample: BadSamplePolicy | str = BadSamplePolicy.error,
         model_config: Any = None,
+        tools: list[dict] | None = None,
     ):
         self.files = files
+        self.tools = tools or []
+        """Function schemas the model may call (multi-turn rollouts): they go into every prompt."""
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.prompt_key, self.answer_key = prompt_key, answer_key
@@ -397,9 +401,17 @@ class RLHFDataset(torch.utils.data.Dataset):
             elif piece:
                 content.append({"type": "text", "text": piece})
         messages = [{"role": "user", "content": content}]
+        kwargs: dict[str, Any] = {}
+        if self.tools:
+            template = self.chat_template or getattr(self.processor, "chat_template", None)
+            if template_has_tools(template or self.tokenizer.chat_template):
+                kwargs["tools"] = self.tools
+            else:
+                messages.insert(0, {"role": "system", "content": tools_system_message(self.tools)})
         return self.processor.apply_chat_template(
             messages,
             add_generation_prompt=True,
             tokenize=False,
             chat_template=self.chat_template,
+            **kwargs,
         )

@@ -16,12 +16,13 @@ from vlmrl.config import Config, to_dict
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import Plan
-from vlmrl.driver.checkpoint import CheckpointManager, check_model_matches, load_trainer_state
+from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.loop import TrainingLoop
+from vlmrl.driver.resume import check_resume
 from vlmrl.driver.scoring import start_scorers
 from vlmrl.loggers.tracking import RunInfo, Tracker
-from vlmrl.train.checkpoint import check_lora_matches
+from vlmrl.rollout.tools import load_tools
 from vlmrl.workers.group import WorkerGroup
 
 
@@ -44,7 +45,16 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
         video_key=data.video_key,
         video_fps=data.video_fps,
         on_bad_sample=data.on_bad_sample,
+        tools=tool_schemas(config),
     )
+
+
+def tool_schemas(config: Config) -> list[dict]:
+    """The function schemas every prompt shows (multi-turn with tools), in the order of the tools key."""
+    multi_turn = config.worker.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tools):
+        return []
+    return [t.schema() for t in load_tools(multi_turn.tools)]
 
 
 class Runner:
@@ -77,9 +87,8 @@ class Runner:
         trainer_cfg = config.trainer
         checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
         resume_from = checkpoints.resume_path(trainer_cfg.load_checkpoint_path, trainer_cfg.find_last_checkpoint)
-        if resume_from is not None:
-            check_model_matches(resume_from, model.model_path)  # before any worker loads a model
-            check_lora_matches(resume_from / "actor", model.lora if model.lora.rank > 0 else None)
+        if resume_from is not None:  # before any worker loads a model
+            check_resume(resume_from, config, explicit=bool(trainer_cfg.load_checkpoint_path))
 
         # Before the workers load the model: a reward function that cannot start fails the run in seconds.
         scorers = start_scorers(config.worker.reward, validation=val_loader is not None)

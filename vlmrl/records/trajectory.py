@@ -76,6 +76,25 @@ class Trajectory:
     extra: dict[str, Any] = field(default_factory=dict)
     """The row's other columns, for the reward function."""
     turn_rewards: list[float] = field(default_factory=list)
+    """Multi-turn: one reward per model turn (tool or environment rewards), 0 where none was given."""
+    turn_ends: list[int] = field(default_factory=list)
+    """Multi-turn: the index in ``token_ids`` of each model turn's last token; turn rewards are placed there."""
+    messages: list[dict] = field(default_factory=list)
+    """Multi-turn: the conversation after the prompt (assistant, tool or environment messages; images as
+    ``{"type": "image"}`` items, in the order of ``images`` after the prompt's)."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """Multi-turn: every call the model made, in order: name, arguments, status, seconds, turn."""
+    stop_reason: str = ""
+    """Multi-turn: why the trajectory ended: done, max_turns, length or error."""
+    prompt_media: int = -1
+    """How many of ``media`` are the prompt's (the rest came from tools or the environment); -1: all of them."""
+    render_mismatch: bool = False
+    """Multi-turn: the token ids differ from a full re-render of the conversation by the chat template."""
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns: one for a single-turn rollout."""
+        return max(1, len(self.turn_ends))
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -98,9 +117,17 @@ class Trajectory:
     def images(self) -> list[Any]:
         return [m.item for m in self.media if m.kind == "image"]
 
+    @property
+    def has_own_media(self) -> bool:
+        """Whether media came after the prompt (tool or environment images), which the driver does not hold."""
+        return 0 <= self.prompt_media < len(self.media)
+
     def slim(self) -> Trajectory:
         """The same record without pixels or media payloads (their kinds and offsets stay): what a worker
-        sends back to the driver, which already holds the row's media and puts them back (``with_media``)."""
+        sends back to the driver, which already holds the row's media and puts them back (``with_media``).
+        A trajectory with media of its own (``has_own_media``) is sent whole."""
+        if self.has_own_media:
+            return self
         return dataclasses.replace(
             self, mm_inputs={}, media=[Media(m.kind, m.offset, None) for m in self.media]
         )

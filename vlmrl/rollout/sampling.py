@@ -64,3 +64,12 @@ def seeded_requests(
         )
         for i, (prompt, group_id) in enumerate(zip(prompts, group_ids, strict=True))
     ]
+
+
+def media_offsets(token_ids: list[int], pad_ids: tuple[int, ...]) -> list[int]:
+    """Where each run of media pad tokens starts, in order (one run per image; Qwen3-VL splits a video).
+
+    >>> media_offsets([5, 9, 9, 6, 7, 9, 8], (9,))
+    [1, 5]
+    """
+    return [i for i, t in enumerate(token_ids) if t in pad_ids and (i == 0 or token_ids[i - 1] != t)]

@@ -237,9 +237,11 @@ class WorkerGroup:
         for rank, (part, _) in enumerate(results):
             for t in part:
                 prompt = prompt_of[t.group_id]
-                full = dataclasses.replace(t, mm_inputs=prompt.mm_inputs).with_media(
-                    list(prompt.images) + list(prompt.videos)
-                )
+                full = t
+                if not t.has_own_media:  # sent slim: the prompt's media go back on here
+                    full = dataclasses.replace(t, mm_inputs=prompt.mm_inputs).with_media(
+                        list(prompt.images) + list(prompt.videos)
+                    )
                 trajectories.append(full)
                 if keep:
                     self._held_by(full).add(rank)

@@ -28,7 +28,9 @@ class HybridWorker:
     def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
         self.plan = plan
         self.trainer = TrainerWorker(config, plan, rank, init_method)
-        self.rollout = RolloutWorker(config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens)
+        self.rollout = RolloutWorker(
+            config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens, self.trainer.processor
+        )
         rollout_cfg = config.worker.rollout
         self.weight_sync = WeightSync(
             self.trainer.actor,

@@ -4,6 +4,10 @@ The engine (``vlmrl.rollout.VLLMEngine``, in process) serves one request per
 prompt, seeded by the prompt's group id; each of its n samples becomes a
 ``Trajectory`` stamped with the engine's policy version and the sampling
 temperature, so the trainer computes log-probs at the temperature that sampled.
+
+With ``worker.rollout.multi_turn.enable`` the same engine plays conversations
+instead (``vlmrl.rollout.agent_loop``): the tools or the environment run in
+this process, next to the engine.
 """
 
 from __future__ import annotations
@@ -12,25 +16,29 @@ import time
 
 import torch
 
+from transformers import AutoConfig
+
 from vlmrl.config import Config
+from vlmrl.data.chat import template_has_tools
+from vlmrl.data.dataset import MODEL_INPUT_KEYS
+from vlmrl.data.media import resize_to_grid
+from vlmrl.data.positions import MRope
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
+from vlmrl.rollout.agent_loop import AgentLoop, Limits
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import seeded_requests
+from vlmrl.rollout.observations import ConversationRenderer
+from vlmrl.rollout.tool_parsers import load_parser
+from vlmrl.rollout.tools import ToolRunner, load_tools
+from vlmrl.rollout.sampling import media_offsets, seeded_requests
 from vlmrl.rollout.vllm_engine import VLLMEngine
-
-
-def media_offsets(token_ids: list[int], pad_ids: tuple[int, ...]) -> list[int]:
-    """Where each run of media pad tokens starts, in order (one run per image; Qwen3-VL splits a video).
-
-    >>> media_offsets([5, 9, 9, 6, 7, 9, 8], (9,))
-    [1, 5]
-    """
-    return [i for i, t in enumerate(token_ids) if t in pad_ids and (i == 0 or token_ids[i - 1] != t)]
+from vlmrl.user_code import load_object
 
 
 class RolloutWorker:
-    def __init__(self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor):
+    def __init__(
+        self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor, processor=None
+    ):
         rollout_cfg = config.worker.rollout
         self.engine = VLLMEngine(
             config.worker.actor.model.model_path,
@@ -48,11 +56,16 @@ class RolloutWorker:
         )
         vocab = tokenizer.get_vocab()
         self.pad_ids = tuple(vocab[t] for t in ("<|image_pad|>", "<|video_pad|>") if t in vocab)
+        self.agent = None
+        if rollout_cfg.multi_turn.enable:
+            self.agent = build_agent_loop(config, self.engine, processor, (vocab.get("<|image_pad|>", -1), vocab.get("<|video_pad|>", -1)))
 
     def generate(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
     ) -> tuple[list[Trajectory], dict[str, float]]:
         """n trajectories per prompt, in prompt order, and the seconds of the call's pieces."""
+        if self.agent is not None:
+            return self.agent.run(prompts, group_ids, sampling)
         t0 = time.perf_counter()
         requests = seeded_requests(prompts, group_ids, sampling, self.engine.seed)
         t1 = time.perf_counter()
@@ -72,3 +85,48 @@ class RolloutWorker:
         timings["requests"] = timings.get("requests", 0.0) + t1 - t0
         timings["trajectories"] = time.perf_counter() - t2
         return trajectories, timings
+
+
+def build_agent_loop(config: Config, engine, processor, pad_ids: tuple[int, int]) -> AgentLoop:
+    """The multi-turn loop over ``engine`` with the config's tools or environment, loaded in this process."""
+    multi_turn, data = config.worker.rollout.multi_turn, config.data
+    model_config = AutoConfig.from_pretrained(config.worker.actor.model.model_path)
+    if getattr(model_config, "vision_config", None) is not None:
+        positions = MRope.from_config(model_config).positions
+    else:  # a text model: one position per token on every axis
+
+        def positions(ids, _mm):
+            return torch.arange(len(ids), dtype=torch.long).expand(3, len(ids)).clone()
+
+    image_processor = getattr(processor, "image_processor", None)
+    factor = image_processor.patch_size * image_processor.merge_size if image_processor is not None else 28
+    tokenizer = getattr(processor, "tokenizer", processor)
+    template = data.override_chat_template or getattr(processor, "chat_template", None) or tokenizer.chat_template
+    tools = load_tools(multi_turn.tools) if multi_turn.tools else []
+    renderer = ConversationRenderer(
+        processor,
+        chat_template=data.override_chat_template,
+        tools=[t.schema() for t in tools],
+        template_has_tools=template_has_tools(template),
+        resize=lambda image: resize_to_grid(image.convert("RGB"), factor, data.min_pixels, data.max_pixels),
+        model_input_keys=MODEL_INPUT_KEYS,
+    )
+    limits = Limits(
+        max_turns=multi_turn.max_turns,
+        max_response_length=data.max_response_length,
+        max_tokens_per_turn=multi_turn.max_tokens_per_turn,
+        max_tool_response_length=multi_turn.max_tool_response_length,
+        max_images=multi_turn.max_images,
+        tool_timeout=multi_turn.tool_timeout,
+        max_parallel_calls=multi_turn.max_parallel_calls,
+    )
+    return AgentLoop(
+        engine,
+        renderer,
+        limits,
+        positions=positions,
+        pad_ids=pad_ids,
+        runner=ToolRunner(tools, multi_turn.tool_timeout) if tools else None,
+        parser=load_parser(multi_turn.format),
+        env_class=load_object(multi_turn.env, "worker.rollout.multi_turn.env") if multi_turn.env else None,
+    )

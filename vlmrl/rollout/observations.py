@@ -1,0 +1,152 @@
+"""The tokens of what answers a model turn: tool results or an environment's observation.
+
+Token-in/token-out: the model's sampled ids are never decoded and encoded
+again (that drift is what corrupted training in Agent-R1, its issue #30).
+What follows a turn is rendered from the new messages alone and appended:
+
+- the chat template's separator after a turn's end token (Qwen: the newline
+  after ``<|im_end|>``), which the model does not sample;
+- the new messages as the template renders them after a conversation, found
+  as the difference between rendering ``[system, *new]`` and ``[system]``, so
+  no second system prompt appears;
+- the template's generation prompt, which opens the model's next turn.
+
+Each piece comes in two forms: the ids vLLM gets (one placeholder per
+image, which the engine expands) and the ids the actor gets (the processor's
+expansion into patch tokens, with the pixel values and grids).
+
+Templates without tool support (Qwen2-VL and Qwen2.5-VL's, the tiny test
+models') get the tools as a system message (``vlmrl.data.chat``) and tool
+results as a user turn wrapped in ``<tool_response>``, which is what Qwen2.5's
+text template renders for a tool message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_SYSTEM = [{"role": "system", "content": "S"}]
+
+
+@dataclass
+class Observation:
+    raw_ids: list[int]
+    """For the engine: one placeholder token per image."""
+    ids: list[int]
+    """For the actor: each image's placeholder expanded to its patch tokens."""
+    mm_inputs: dict[str, torch.Tensor]
+    """The processor's pixel values and grids of ``images`` (empty without images)."""
+    images: list[Any]
+    """The images, resized to the processor's grid, in order."""
+    text: str
+
+
+class ConversationRenderer:
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        chat_template: str | None,
+        tools: list[dict],
+        template_has_tools: bool,
+        resize: Callable[[Any], Any],
+        model_input_keys: tuple[str, ...],
+    ):
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.chat_template = chat_template
+        self.tools = tools
+        self.template_has_tools = template_has_tools
+        self.resize = resize
+        self.model_input_keys = model_input_keys
+        self.end_of_turn = self._end_of_turn_separator()
+        generation = self._render(_SYSTEM, add_generation_prompt=True)
+        self.generation_prompt = generation[len(self._render(_SYSTEM, add_generation_prompt=False)) :]
+
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {}
+        if self.tools and self.template_has_tools:
+            kwargs["tools"] = self.tools
+        return self.processor.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
+            **kwargs,
+        )
+
+    def _end_of_turn_separator(self) -> str:
+        """What the template writes after an assistant turn's end-of-turn token (Qwen: "\\n")."""
+        marker = "vlmrl-answer-marker"
+        text = self._render(
+            [*_SYSTEM, {"role": "user", "content": "U"}, {"role": "assistant", "content": marker}],
+            add_generation_prompt=False,
+        )
+        tail = text[text.rindex(marker) + len(marker) :]
+        eos = self.tokenizer.eos_token or ""
+        return tail[len(eos) :] if eos and tail.startswith(eos) else ""
+
+    # ------------------------------------------------------------------ messages
+
+    def tool_messages(self, results: list[tuple[str, list[Any]]]) -> list[dict]:
+        """The messages answering one turn's calls: (text, images) per call, in call order."""
+        if self.template_has_tools:
+            return [{"role": "tool", "content": _content(text, images)} for text, images in results]
+        content: list[dict] = []
+        for text, images in results:
+            content.append({"type": "text", "text": "<tool_response>\n"})
+            content += [{"type": "image"} for _ in images]
+            content.append({"type": "text", "text": f"{text}\n</tool_response>"})
+        return [{"role": "user", "content": content}]
+
+    def render(self, messages: list[dict], images: list[Any], *, after_turn: bool = True) -> Observation:
+        """``messages`` (images as ``{"type": "image"}`` items, ``images`` in the same order) as the tokens
+        that follow a model turn (``after_turn``) or the prompt, up to and including the next generation prompt."""
+        base = self._render(_SYSTEM, add_generation_prompt=False)
+        full = self._render([*_SYSTEM, *messages], add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
+        text = (self.end_of_turn if after_turn else "") + full[len(base) :]
+        images = [self.resize(image) for image in images]
+        raw_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not images:
+            return Observation(raw_ids, list(raw_ids), {}, [], text)
+        out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+        mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
+        return Observation(raw_ids, out["input_ids"][0].tolist(), mm_inputs, images, text)
+
+
+    def conversation_text(self, messages: list[dict]) -> str:
+        """The whole of ``messages`` as the template writes them after a prefix, with no generation prompt."""
+        base = self._render(_SYSTEM, add_generation_prompt=False)
+        full = self._render([*_SYSTEM, *messages], add_generation_prompt=False)
+        if not full.startswith(base):
+            raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
+        return full[len(base) :]
+
+
+def _content(text: str, images: list[Any]) -> list[dict]:
+    return [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+
+
+def split_images(messages: list[dict]) -> tuple[list[dict], list[Any]]:
+    """An environment's messages with their images (``{"type": "image", "image": PIL}``) taken out, in order."""
+    out, images = [], []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            items = []
+            for item in content:
+                if isinstance(item, dict) and item.get("type") == "image":
+                    if item.get("image") is not None:
+                        images.append(item["image"])
+                    items.append({"type": "image"})
+                else:
+                    items.append(item)
+            message = {**message, "content": items}
+        out.append(message)
+    return out, images
