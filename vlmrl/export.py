@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from vlmrl.config import LoraConfig
 from vlmrl.train.checkpoint import load_lora_config
 from vlmrl.train.lora import merged_weights, scaling
+from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
+from vlmrl.train.safe_checkpoint import load as safe_load
 
 
 class ExportError(RuntimeError):
@@ -35,6 +36,12 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
         raise ExportError(f"{actor_dir}: no DCP checkpoint here (expected <checkpoint>/global_step_<k>/actor)")
     if not (hf_dir / "config.json").is_file():
         raise ExportError(f"{hf_dir}: the model config saved with the checkpoint is missing")
+    try:
+        # The export loads what the directory holds; refuse one that others can change or that would run code.
+        check_private(actor_dir)
+        read_metadata_safely(actor_dir)
+    except UnsafeCheckpoint as e:
+        raise ExportError(str(e)) from e
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
@@ -42,7 +49,7 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
     lora = load_lora_config(actor_dir)
     if lora is None:
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+        safe_load(state, actor_dir, no_dist=True)
         weights = state["model"]
     else:
         weights = _merged_lora_weights(actor_dir, lora)
@@ -61,14 +68,14 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
 
 def _merged_lora_weights(actor_dir: Path, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """A LoRA checkpoint's model tensors (base weights and adapters, as saved), merged under the HF names."""
-    metadata = dcp.FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata
+    metadata = read_metadata_safely(actor_dir).state_dict_metadata
     saved = {
         key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     state = {"model": saved}
-    dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+    safe_load(state, actor_dir, no_dist=True)
     return dict(merged_weights(state["model"].items(), scaling(lora)))
 
 
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = export(args.actor_dir, args.output)
-    except ExportError as e:
+    except (ExportError, UnsafeCheckpoint) as e:
         print(f"vlmrl.export: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.actor_dir} to {path}")

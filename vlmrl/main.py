@@ -50,6 +50,19 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
         print(describe(plan, config))
         return 0
 
+    from vlmrl.driver.run_lock import RunLocked, run_locks
+
+    try:
+        # One run per experiment (and checkpoint) directory, held until this process ends.
+        with run_locks(plan.experiment_dir, plan.checkpoint_dir):
+            return _run(config, plan, hooks)
+    except RunLocked as e:
+        print(f"vlmrl: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(config, plan, hooks) -> int:
+    """Start or join Ray, run the Runner to the end, and turn SIGTERM / SIGINT into a saved stop."""
     import ray
 
     from vlmrl.driver.runner import Runner

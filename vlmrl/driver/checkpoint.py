@@ -136,11 +136,27 @@ def load_trainer_state(path: Path) -> dict:
     return torch.load(path / "trainer_state.pt", weights_only=True)
 
 
+def _model_config_file(model_path: str) -> Path | None:
+    """The config.json of a local model directory, or of a hub id (through the Hugging Face cache or hub)."""
+    local = Path(model_path) / "config.json"
+    if local.is_file():
+        return local
+    if Path(model_path).exists():
+        return None
+    try:
+        from transformers.utils import cached_file
+
+        found = cached_file(model_path, "config.json")
+    except Exception:  # offline and not cached, or no such id: the workers' model load reports it
+        return None
+    return Path(found) if found else None
+
+
 def check_model_matches(checkpoint: Path, model_path: str) -> None:
     """Fail before any worker starts when the checkpoint holds another architecture than the configured model."""
     saved_file = checkpoint / "actor" / "huggingface" / "config.json"
-    current_file = Path(model_path) / "config.json"
-    if not saved_file.is_file() or not current_file.is_file():
+    current_file = _model_config_file(model_path)
+    if not saved_file.is_file() or current_file is None:
         return
     saved, current = json.loads(saved_file.read_text()), json.loads(current_file.read_text())
     keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size")

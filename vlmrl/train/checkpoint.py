@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from vlmrl.config import LoraConfig
 from vlmrl.rng import rng_state, set_rng_state
+from vlmrl.train.safe_checkpoint import check_private, read_metadata_safely
+from vlmrl.train.safe_checkpoint import load as safe_load
 
 LORA_FILE = "lora.json"
 
@@ -49,16 +51,18 @@ def load_actor(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
     Returns whether optimizer state was restored (a model-only checkpoint restarts it).
     """
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    # Restricted loaders: a checkpoint directory must not be able to run code (see safe_checkpoint).
+    check_private(path)
+    metadata = read_metadata_safely(path)
     has_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
     if has_optim:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        safe_load(state, path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        safe_load(state, path)
         set_model_state_dict(model, state["model"])
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
