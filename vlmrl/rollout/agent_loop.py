@@ -118,13 +118,17 @@ class _Conversation:
         self.messages.append({"role": "assistant", "content": text})
         self.last_text = text
 
+    def add_context(self, token_ids: list[int], raw_ids: list[int] | None = None) -> None:
+        """Tokens the model did not sample (``raw_ids``: the engine's view of them, when it differs)."""
+        self.raw += token_ids if raw_ids is None else raw_ids
+        self.ids += token_ids
+        self.mask += [0] * len(token_ids)
+        self.log_probs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+        self.observation_tokens += len(token_ids)
+
     def add_observation(self, obs: Observation, messages: list[dict]) -> None:
-        self.raw += obs.raw_ids
-        self.ids += obs.ids
-        self.mask += [0] * len(obs.ids)
-        self.log_probs += [0.0] * len(obs.ids)
-        self.versions += [-1] * len(obs.ids)
-        self.observation_tokens += len(obs.ids)
+        self.add_context(obs.ids, obs.raw_ids)
         if obs.images:
             self.mm_chunks.append(obs.mm_inputs)
             self.images += obs.images
@@ -169,6 +173,7 @@ class AgentLoop:
         self.positions, self.pad_ids = positions, pad_ids
         self.runner, self.parser, self.env_class = runner, parser, env_class
         self.tokenizer = renderer.tokenizer
+        self.end_of_turn = self.tokenizer.eos_token_id
 
     # ------------------------------------------------------------------ the loop
 
@@ -197,10 +202,15 @@ class AgentLoop:
             for c, output in zip(active, outputs, strict=True):
                 sample = output.samples[0]
                 c.add_turn(sample.token_ids, sample.log_probs, output.version, sample.text)
-                if sample.finish_reason != "stop":  # cut by max_tokens: the turn has no end to answer
-                    c.stop_reason = "length"
-                else:
+                if sample.finish_reason == "stop":
                     answered.append(c)
+                elif c.used() < self.limits.max_response_length and self.end_of_turn is not None:
+                    # Cut by max_tokens_per_turn, not by the budget: the turn is closed with the end-of-turn
+                    # token as context (never trained: the model did not sample it) and answered as written.
+                    c.add_context([self.end_of_turn])
+                    answered.append(c)
+                else:
+                    c.stop_reason = "length"
             start = time.perf_counter()
             replies = asyncio.run(self._replies(answered, turn))
             timings["tools"] += time.perf_counter() - start
