@@ -139,3 +139,20 @@ def test_export_refuses_a_checkpoint_other_users_can_write(checkpoint, tmp_path,
     (actor_dir / ".metadata").chmod(0o666)
     with pytest.raises(ExportError, match=r"\.metadata \(every user can write it\)"):
         export(actor_dir, tmp_path / "out")
+
+
+@pytest.mark.e2e
+def test_a_run_that_finds_a_poisoned_checkpoint_fails_and_runs_nothing(tiny_assets, tmp_path):
+    """The whole resume path: ``python -m vlmrl.main`` finds the checkpoint by itself (find_last_checkpoint)."""
+    from helpers.runs import SMALL, experiment_dir, run_main, tail
+
+    checkpoint = experiment_dir(tmp_path) / "checkpoints" / "global_step_1"
+    (checkpoint / "actor").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    _poison_metadata(checkpoint / "actor", marker)
+    (checkpoint / "COMPLETE").write_text("1\n")
+    proc = run_main(tmp_path, *SMALL, "trainer.max_steps=1", timeout=300)
+    assert proc.returncode != 0, tail(proc)
+    assert "refusing to load posix.system" in proc.stdout + proc.stderr, tail(proc)
+    assert not marker.exists(), "the run executed the checkpoint's command"
+    assert "HybridWorker" not in proc.stdout + proc.stderr  # refused before any worker started

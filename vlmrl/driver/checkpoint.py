@@ -6,10 +6,16 @@ one, fsyncs it, renames it to ``global_step_<k>``, and writes the ``COMPLETE``
 marker last. A crash at any point leaves either the previous checkpoints
 untouched plus debris that is never mistaken for a checkpoint, or a complete
 one. Debris is reported and left for the user; nothing is deleted silently.
+A save that fails with an error (a full disk) removes its own temporary
+directory; a save is marked complete only once every rank's shard files are
+there (``verify_shards``); saving a step again swaps the new copy in with one
+atomic exchange; a directory that ``save_limit`` cannot delete is reported.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -18,6 +24,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from vlmrl.train.safe_checkpoint import read_metadata_safely
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -73,7 +81,7 @@ class CheckpointManager:
         return sorted(
             p
             for p in self.root.iterdir()
-            if p.is_dir() and ((p.name.startswith(".global_step_") and ".tmp-" in p.name) or (_STEP_DIR.match(p.name) and not is_complete(p)))
+            if p.is_dir() and ((p.name.startswith(".global_step_") and (".tmp-" in p.name or ".old-" in p.name)) or (_STEP_DIR.match(p.name) and not is_complete(p)))
         )
 
     def find_last(self) -> Path | None:
@@ -98,26 +106,34 @@ class CheckpointManager:
     def commit(self, tmp: Path, step: int) -> Path:
         """Make the save in ``tmp`` the checkpoint of ``step``; then apply save_limit."""
         final = self.root / f"global_step_{step}"
+        _fsync_tree(tmp)
         if final.exists():
             if not is_complete(final):
                 raise CheckpointError(
                     f"{final} exists without a {MARKER} marker (an interrupted save); move it away to save step {step} again"
                 )
-            # Saving a step twice (e.g. val_only after a resume) replaces the old copy only once the new one is whole.
+            # Saving a step twice (e.g. val_only after a resume): the new copy is marked complete first and
+            # swapped in with one atomic exchange, so there is always a complete checkpoint of this step.
+            _write_marker(tmp, step)
             old = self.root / f".global_step_{step}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            shutil.rmtree(old)
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
-        marker = final / MARKER
-        with open(marker, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(final)
+            if _exchange(tmp, final):
+                os.rename(tmp, old)  # tmp now holds the old copy
+            else:  # no RENAME_EXCHANGE here: a crash between the renames leaves both complete copies, named
+                os.rename(final, old)
+                os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._remove(old)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            _write_marker(final, step)
         self._apply_limit()
         return final
+
+    def discard(self, tmp: Path) -> None:
+        """Remove the temporary directory of a save that failed (a full disk, a worker error)."""
+        print(f"checkpoint: the save failed; removing its temporary directory {tmp}", flush=True)
+        self._remove(tmp)
 
     def _apply_limit(self) -> None:
         if not self.save_limit or self.save_limit < 1:
@@ -125,7 +141,71 @@ class CheckpointManager:
         for path in self.complete()[: -self.save_limit]:
             # Unmark first: a crash mid-delete leaves an incomplete directory, never a broken "complete" one.
             (path / MARKER).unlink()
+            self._remove(path)
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        """Delete a directory; a failure (a busy NFS file, a permission) is reported, not fatal: the save is done."""
+        try:
             shutil.rmtree(path)
+        except OSError as e:
+            print(f"checkpoint: could not remove {path} ({e}); remove it yourself", flush=True)
+
+
+def _write_marker(directory: Path, step: int) -> None:
+    with open(directory / MARKER, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem or kernel without it
+        return False
+    raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
+def verify_shards(tmp: Path, world_size: int) -> None:
+    """Before a save is marked complete: every rank's files of every sharded role are there, at full size.
+
+    On nodes without a shared filesystem the other ranks' shards land on their own disks; this
+    refuses such a save instead of marking a checkpoint complete that no node can resume from.
+    """
+    problems = []
+    for role in ("actor", "critic"):
+        directory = tmp / role
+        if not directory.is_dir():
+            continue
+        if not (directory / ".metadata").is_file():
+            problems.append(f"{role}/.metadata is missing")
+            continue
+        needed: dict[str, int] = {}
+        for info in (read_metadata_safely(directory).storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            file = directory / name
+            if not file.is_file():
+                problems.append(f"{role}/{name} is missing")
+            elif file.stat().st_size < size:
+                problems.append(f"{role}/{name} is cut short ({file.stat().st_size} of {size} bytes)")
+        problems += [f"{role}/rng_rank{r}.pt is missing" for r in range(world_size) if not (directory / f"rng_rank{r}.pt").is_file()]
+    if problems:
+        raise CheckpointError(
+            f"{tmp}: the save is not whole, so it is not marked complete: {'; '.join(problems[:8])}"
+            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            + ". With several nodes the checkpoint directory must be on a filesystem every node shares."
+        )
 
 
 def save_trainer_state(path: Path, state: dict) -> None:

@@ -15,7 +15,7 @@ from vlmrl.records import PromptSample
 from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.hooks import RunHooks
-from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
@@ -223,8 +223,18 @@ class TrainingLoop:
         return step == self.total_steps or (freq > 0 and step % freq == 0)
 
     def _save(self, step: int) -> None:
-        trainer_cfg = self.config.trainer
         tmp = self.checkpoints.begin(step)
+        try:
+            self._write_checkpoint(tmp, step)
+            verify_shards(tmp, self.plan.world_size)  # every rank's files, before COMPLETE
+        except Exception:
+            self.checkpoints.discard(tmp)  # a failed save (a full disk) leaves no full-size temp dir behind
+            raise
+        path = self.checkpoints.commit(tmp, step)
+        print(f"checkpoint: saved {path}", flush=True)
+
+    def _write_checkpoint(self, tmp: Path, step: int) -> None:
+        trainer_cfg = self.config.trainer
         self.workers.save_checkpoint(
             str(tmp),
             model_only=trainer_cfg.save_model_only,
@@ -248,8 +258,6 @@ class TrainingLoop:
         )
         if self.hooks.checkpoint_written is not None:
             self.hooks.checkpoint_written(step)
-        path = self.checkpoints.commit(tmp, step)
-        print(f"checkpoint: saved {path}", flush=True)
 
     def _resume(self) -> int:
         """Restore the checkpoint the run starts from, if any; return the step it holds, or 0."""
