@@ -1,22 +1,28 @@
-"""``python -m vlmrl.main config=<yaml> key=value ... [--dry-run | --help]``
+"""``python -m vlmrl.main config=<yaml> key=value ... [--dry-run | --help [KEY_PREFIX]]``
 
 The config is loaded and validated in full before Ray starts or any model is
 read, so a mistyped key fails in a second with every problem listed.
-``--help`` lists every option from the config's attribute docstrings;
-``--dry-run`` prints the resolved config and the resource plan and stops
-there, without Ray or a model.
+``--help`` lists every option from the config's attribute docstrings (``--help
+worker.rollout`` only those under that prefix); ``--dry-run`` prints the
+resolved config and the resource plan and stops there, without Ray or a model.
+
+During the run the terminal shows vlmrl's own lines and a progress bar; the
+engines' logs go to ``<experiment dir>/run.log`` (``vlmrl.driver.console``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import yaml
 
 from vlmrl.config import ConfigError, help_text, to_dict
+from vlmrl.config.help import USAGE
 from vlmrl.plan import describe, detect_cluster, resolve
 from vlmrl.testing.resolvers import register_resolvers
 from vlmrl.validate import load_config
@@ -26,14 +32,23 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
     """Run ``python -m vlmrl.main ARGS``; ``hooks`` (a ``vlmrl.driver.hooks.RunHooks``) are for tests only."""
     args = sys.argv[1:] if argv is None else argv
     if "--help" in args or "-h" in args:
+        at = args.index("--help") if "--help" in args else args.index("-h")
+        prefix = args[at + 1] if at + 1 < len(args) and "=" not in args[at + 1] and not args[at + 1].startswith("-") else ""
         try:
-            print(help_text(), flush=True)
+            print(help_text(prefix), flush=True)
         except BrokenPipeError:
             # `--help | head` closes the pipe early; the rest of the text goes nowhere, without a traceback.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     dry_run = "--dry-run" in args
     args = [a for a in args if a != "--dry-run"]
+    if not args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    missing = [a for a in args if a.startswith("config=") and not Path(a.removeprefix("config=")).is_file()]
+    if missing:
+        print(f"vlmrl: {missing[0]}: no such file\n{USAGE}", file=sys.stderr)
+        return 2
     cluster = detect_cluster()
     # examples/quickstart.yaml names its model and data as ${tiny:...}.
     register_resolvers()
@@ -65,11 +80,21 @@ def _run(config, plan, hooks) -> int:
     """Start or join Ray, run the Runner to the end, and turn SIGTERM / SIGINT into a saved stop."""
     import ray
 
+    from vlmrl.driver.console import LOG_FILE, ConsoleView, runtime_env
     from vlmrl.driver.runner import Runner
 
+    verbose = config.trainer.verbose
+    log_path = Path(plan.experiment_dir) / LOG_FILE
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     if not ray.is_initialized():
+        # Every worker process of the run sends its output to run.log (and, verbose, to the terminal too).
+        options = {
+            "runtime_env": runtime_env(str(log_path), verbose),
+            # Quiet: the driver's own Ray lines ("Started a local Ray instance.") only when they are errors.
+            "logging_level": logging.INFO if verbose else logging.ERROR,
+        }
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()
+            ray.init(**options)
         else:
             # A local cluster with no dashboard. Logical CPUs cover every actor
             # the run places even on a 2-core machine; the workers set their own
@@ -77,14 +102,26 @@ def _run(config, plan, hooks) -> int:
             needed = (
                 plan.world_size + 2 * config.worker.reward.num_cpus
             )  # training and validation reward actors
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
-    runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=2).remote()
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **options)
+    print(f"vlmrl: {plan.experiment_dir} (engine logs: {log_path})", flush=True)
+    # Three threads: run, request_stop and take_console can each arrive while the others wait.
+    runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=3).remote()
     done = runner.run.remote(config, plan, hooks)
-    with _stop_on_signals(lambda: runner.request_stop.remote()):
-        # Wait in slices so a signal is handled within a second.
-        while not ray.wait([done], timeout=1.0)[0]:
-            pass
-    ray.get(done)
+    view = ConsoleView(verbose)
+    try:
+        with _stop_on_signals(lambda: runner.request_stop.remote()):
+            # Wait in slices, showing the Runner's lines, so a signal is handled within a second.
+            while not ray.wait([done], timeout=0.5)[0]:
+                view.show(*ray.get(runner.take_console.remote()))
+        with contextlib.suppress(ray.exceptions.RayActorError):  # a Runner that died has no lines left
+            view.show(*ray.get(runner.take_console.remote()))
+    finally:
+        view.close()
+    try:
+        ray.get(done)
+    except Exception:
+        print(f"vlmrl: the run failed; the engines' logs are in {log_path}", file=sys.stderr, flush=True)
+        raise
     return 0
 
 

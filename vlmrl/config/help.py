@@ -16,20 +16,31 @@ from typing import Any
 
 from vlmrl.config.schema import Config
 
-__all__ = ["field_docs", "help_text", "iter_options"]
+__all__ = ["USAGE", "field_docs", "help_text", "iter_options"]
 
-def help_text() -> str:
-    """Every option as ``dotted.key  type = default`` and its one-line help, from the attribute docstrings."""
+USAGE = """usage: python -m vlmrl.main config=<yaml> [key=value ...] [--dry-run | --help [KEY_PREFIX]]
+
+  the CPU quickstart:  python -m vlmrl.main config=examples/quickstart.yaml
+  the tests:           bash scripts/test.sh"""
+
+
+def help_text(prefix: str = "") -> str:
+    """Every option (or those under ``prefix``) as ``dotted.key  type = default`` and its one-line help."""
+    options = [o for o in iter_options() if o[0].startswith(prefix)]
+    if not options:
+        sections = sorted({key.rsplit(".", 1)[0] for key, *_ in iter_options() if "." in key})
+        close = [s for s in sections if prefix.lower() in s.lower()] or sections
+        return f"no option is under {prefix!r}; sections: {', '.join(close)}"
     lines = [
-        "usage: python -m vlmrl.main config=<yaml> [key=value ...] [--dry-run]",
+        USAGE.splitlines()[0],
         "",
-        "  config=<yaml>   a YAML with any of the keys below (EasyR1's layout); key=value overrides it",
-        "  --dry-run       validate, print the resolved config and the resource plan, and exit",
-        "  --help          this text",
+        "  config=<yaml>       a YAML with any of the keys below (EasyR1's layout); key=value overrides it",
+        "  --dry-run           validate, print the resolved config and the resource plan, and exit",
+        "  --help [KEY_PREFIX] this text, or only the options under KEY_PREFIX (for example --help worker.rollout)",
         "",
-        "Options (key  type = default):",
+        f"Options under {prefix} (key  type = default):" if prefix else "Options (key  type = default):",
     ]
-    for key, tp, default, doc in iter_options():
+    for key, tp, default, doc in options:
         lines.append(f"  {key}  {_type_name(tp)} = {_show(default)}")
         lines.append(f"      {doc}")
     return "\n".join(lines)

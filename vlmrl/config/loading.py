@@ -8,6 +8,11 @@ run reports every unknown key, wrong type and invalid enum value at once
 enum's value as a string, so ``algorithm.adv_estimator=grpo`` in YAML or on
 the CLI becomes ``AdvantageEstimator.grpo``.
 
+A mapping given on the command line merges into the YAML's (``key={b: 1}``
+adds ``b``), except ``key=null`` and ``key={}``, which replace it with an empty
+mapping: that is how a YAML's ``worker.reward.reward_function_kwargs`` is
+dropped for a reward function that takes other arguments.
+
 Only the schema is checked here; the rules between values (batch sizes that
 divide, paths that exist, a reward function that imports) are
 ``vlmrl.validate``'s. Interpolations resolve with whatever OmegaConf resolvers
@@ -71,9 +76,12 @@ def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
         merged = (
             OmegaConf.load(yaml_path) if yaml_path is not None else OmegaConf.create({})
         )
+        emptied = [a.split("=", 1)[0] for a in overrides if _empties_mapping(a)]
         merged = OmegaConf.merge(
-            merged, OmegaConf.from_dotlist([a for a in overrides if "=" in a])
+            merged, OmegaConf.from_dotlist([a for a in overrides if "=" in a and not _empties_mapping(a)])
         )
+        for key in emptied:  # replaced, not merged (OmegaConf merges an empty mapping into the old one)
+            OmegaConf.update(merged, key, {}, merge=False, force_add=True)
         raw = OmegaConf.to_container(merged, resolve=True)
     except ConfigError:
         raise
@@ -90,6 +98,28 @@ def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
         ) from e
     config = _build(Config, raw or {}, "", problems)
     return config, problems
+
+
+EMPTY_MAPPING = ("null", "{}", "~")
+"""Command-line values that empty a mapping option rather than merge into it."""
+
+
+def _empties_mapping(arg: str) -> bool:
+    """``key=null`` or ``key={}`` where ``key`` is a mapping option of the schema."""
+    key, _, value = arg.partition("=")
+    return value.strip() in EMPTY_MAPPING and typing.get_origin(_field_type(key)) is dict
+
+
+def _field_type(dotted: str) -> Any:
+    """The schema's type at a dotted key, or None when no field has that key."""
+    tp: Any = Config
+    for name in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(name)
+        if tp is None:
+            return None
+    return tp
 
 
 def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
@@ -160,8 +190,13 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
         ]
         return _INVALID if _INVALID in converted else converted
     if origin is dict:
+        if value is None:  # `key: null` in YAML: no entries
+            return {}
         if not isinstance(value, dict):
-            problems.append(f"{key}: expected a mapping, got {value!r}")
+            problems.append(
+                f"{key}: expected a mapping, got {value!r}; to drop the YAML's entries, "
+                f"pass {key}=null (or {key}={{}}) on the command line"
+            )
             return _INVALID
         return value
     if tp is Any:

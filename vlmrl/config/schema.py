@@ -473,8 +473,12 @@ class TrainerConfig:
     """Online filtering: generation rounds allowed to fill one step's batch; -1 for no limit."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts (GAE)."""
+    max_consecutive_skipped_steps: int = 3
+    """vlmrl addition: fail the run after this many steps in a row whose every actor (or critic) optimizer step was skipped for a non-finite gradient; -1 never stops."""
     output_dir: str = "outputs"
     """vlmrl addition: experiment directory root, <output_dir>/<project_name>/<experiment_name>/."""
+    verbose: bool = False
+    """vlmrl addition: show the engines' logs (vLLM, torch, Ray's workers) on the console too; they always go to <experiment dir>/run.log."""
     val_freq: int = -1
     """Validate every this many steps; -1 validates only at the end."""
     val_before_train: bool = False

@@ -17,6 +17,7 @@ from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
+from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
 from vlmrl.driver.sampler import RolloutSampler
@@ -27,6 +28,12 @@ from vlmrl.train.actor import UpdateSettings
 from vlmrl.train.critic import CriticSettings
 from vlmrl.rollout.engine import Sampling
 from vlmrl.workers.group import WorkerGroup
+
+
+def planned_steps(steps_per_epoch: int, total_epochs: int, max_steps: int | None) -> int:
+    """The run's steps: its epochs' worth, cut at ``max_steps`` when that is set."""
+    total = steps_per_epoch * total_epochs
+    return min(total, max_steps) if max_steps else total
 
 
 @contextmanager
@@ -98,12 +105,12 @@ class TrainingLoop:
             )
         self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
         self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward)
-        total = self.steps_per_epoch * config.trainer.total_epochs
-        self.total_steps = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
+        self.total_steps = planned_steps(self.steps_per_epoch, config.trainer.total_epochs, config.trainer.max_steps)
         # The learning-rate schedules span the run's training steps (EasyR1's optim.training_steps).
         self.actor_settings = UpdateSettings.from_config(config, plan, self.total_steps)
         self.critic_settings = CriticSettings.from_config(config, plan, self.total_steps) if plan.use_critic else None
         self.perf = PerfMeter.for_run(config, plan)
+        self.skip_watch = SkippedStepWatch(config.trainer.max_consecutive_skipped_steps)
 
     def _prompt_batches(self):
         """Training prompt batches from where the run stands, across epochs, without end.
@@ -209,6 +216,8 @@ class TrainingLoop:
                 **self.perf.metrics(batch, timings),
             }
             self.tracker.log(metrics, step)
+            # A run whose updates are all skipped (NaN) trains nothing: fail it, naming the steps.
+            self.skip_watch.observe(step, metrics, self._optimizer_steps(len(batch), step))
             progress.update(step)
             if stopping:
                 print(f"stop requested: saved step {step}, exiting", flush=True)
@@ -280,6 +289,16 @@ class TrainingLoop:
             flush=True,
         )
         return step
+
+    def _optimizer_steps(self, rows: int, step: int) -> dict[str, int]:
+        """The optimizer steps this step's updates made, per trained model."""
+        made = {}
+        world = self.plan.world_size
+        if step > self.config.trainer.critic_warmup:
+            made["actor"] = optimizer_steps(rows, self.actor_settings.samples_per_update, world, self.actor_settings.ppo_epochs)
+        if self.critic_settings is not None:
+            made["critic"] = optimizer_steps(rows, self.critic_settings.samples_per_update, world, self.critic_settings.ppo_epochs)
+        return made
 
     def _group_ids(self, n_prompts: int) -> list[int]:
         ids = list(range(self.next_group_id, self.next_group_id + n_prompts))

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlmrl.driver.console import report_progress
+
 if TYPE_CHECKING:
     from vlmrl.config import Config
     from vlmrl.plan import Plan
@@ -242,26 +244,21 @@ class PerfMeter:
 
 
 class ProgressBar:
-    """The bar over the run's steps, with its ETA, drawn on the driver's terminal.
+    """The run's progress over its steps, for the bar (with its ETA) that the driver draws.
 
-    Ray's ``tqdm_ray`` draws it: from inside an actor (the Runner) it sends the
-    bar's state to the driver, which draws it and keeps the actors' log lines
-    from tearing it. A resumed run's bar starts at the step it resumed from,
-    out of the run's total.
+    The loop runs in the Runner actor; the bar is drawn by the driver
+    (``vlmrl.driver.console``), which gets the progress from the Runner with
+    its lines, so no other process writes into the bar. A resumed run's bar
+    starts at the step it resumed from, out of the run's total.
     """
 
     def __init__(self, total_steps: int, start_step: int = 0):
-        from ray.experimental.tqdm_ray import tqdm
-
-        desc = f"training (resumed at step {start_step})" if start_step else "training"
-        self.bar = tqdm(total=total_steps, desc=desc, unit="step", flush_interval_s=0)
-        self.bar.n = start_step
-        self.bar.refresh()
+        self.total, self.start = total_steps, start_step
+        report_progress(start_step, total_steps, start_step)
 
     def update(self, step: int) -> None:
         """The run has finished ``step``."""
-        self.bar.n = step
-        self.bar.refresh()
+        report_progress(step, self.total, self.start)
 
     def close(self) -> None:
-        self.bar.close()
+        pass

@@ -2,31 +2,41 @@
 
 Building here rather than in the driver script keeps the driver process light
 and makes the same code path serve a local cluster and a remote one.
+
+Start-up is most of a short run, so the pieces start side by side: the worker
+actors are created first (each imports torch, transformers and vLLM and loads
+its models) while this process reads the data, and the reward actors start
+while the workers are still loading. The Runner's own lines reach the user's
+terminal through ``take_console`` (``vlmrl.driver.console``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from transformers import AutoProcessor
+from typing import TYPE_CHECKING
 
 from vlmrl.config import Config, to_dict
-from vlmrl.data.dataset import RLHFDataset
-from vlmrl.data.loader import make_loader
-from vlmrl.plan import Plan
+from vlmrl.driver.console import ConsoleFeed, Progress
+from vlmrl.plan import Plan, describe
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
 from vlmrl.driver.hooks import RunHooks
-from vlmrl.driver.loop import TrainingLoop
+from vlmrl.driver.loop import TrainingLoop, planned_steps
 from vlmrl.driver.resume import check_resume
 from vlmrl.driver.scoring import start_scorers
 from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.rollout.tools import load_tools
 from vlmrl.workers.group import WorkerGroup
 
+if TYPE_CHECKING:
+    from vlmrl.data.dataset import RLHFDataset
+
 
 def _dataset(config: Config, files: str, processor) -> RLHFDataset:
+    from vlmrl.data.dataset import RLHFDataset  # datasets and transformers: imported while the workers start
+
     data = config.data
     return RLHFDataset(
         files,
@@ -62,6 +72,11 @@ class Runner:
 
     def __init__(self):
         self.stop_requested = threading.Event()
+        self.console = ConsoleFeed.install()
+
+    def take_console(self) -> tuple[list[str], Progress | None]:
+        """The lines printed since the last call, and the step loop's progress (the driver shows them)."""
+        return self.console.take()
 
     def request_stop(self) -> None:
         """Finish the current step, save a checkpoint, and return from ``run``."""
@@ -71,18 +86,7 @@ class Runner:
         experiment_dir = Path(plan.experiment_dir)
         experiment_dir.mkdir(parents=True, exist_ok=True)
         (experiment_dir / "config.json").write_text(json.dumps({"config": to_dict(config), "plan": plan.as_dict()}, indent=2))
-        print(f"plan: {json.dumps(plan.as_dict())}", flush=True)
-
-        model = config.worker.actor.model
-        processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.model_path)
-        data = config.data
-        train = _dataset(config, data.train_files, processor)
-        train_loader = make_loader(train, data.rollout_batch_size, data.shuffle, data.seed, drop_last=True)
-        val_loader = None
-        if data.val_files:
-            val = _dataset(config, data.val_files, processor)
-            val_batch = len(val) if data.val_batch_size == -1 else data.val_batch_size
-            val_loader = make_loader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
+        print("plan:\n  " + describe(plan, config).replace("\n", "\n  "), flush=True)
 
         trainer_cfg = config.trainer
         checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
@@ -90,9 +94,30 @@ class Runner:
         if resume_from is not None:  # before any worker loads a model
             check_resume(resume_from, config, explicit=bool(trainer_cfg.load_checkpoint_path))
 
-        # Before the workers load the model: a reward function that cannot start fails the run in seconds.
-        scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
-        workers = WorkerGroup(config, plan)
+        loaders = None
+        if resume_from is not None and not trainer_cfg.val_only:
+            # Is there training left? Known from the data and the checkpoint, before any worker starts.
+            loaders = self._loaders(config)
+            finished = _finished_line(load_trainer_state(resume_from)["global_step"], len(loaders[0]), config)
+            if finished:
+                print(finished, flush=True)
+                return
+        # The workers start (a minute or more) while the data is read and the reward actors start.
+        # Their class is imported here first: transformers' lazy imports are not safe from two threads.
+        import vlmrl.workers.hybrid  # noqa: F401
+
+        background = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-start")
+        starting = background.submit(WorkerGroup, config, plan)
+        background.shutdown(wait=False)
+        try:
+            train_loader, val_loader = loaders or self._loaders(config)
+            # A reward function that cannot start fails the run before the workers are up.
+            scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
+            workers = starting.result()
+        except BaseException:
+            # The run stops here; the group, once up, has nothing to rendezvous for.
+            starting.add_done_callback(lambda f: f.exception() is None and f.result().pool.remove_scratch())
+            raise
         run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
         # A run resumed from its own checkpoint continues its logger runs (the same MLflow
         # run id); one started from another experiment's checkpoint gets runs of its own.
@@ -107,3 +132,43 @@ class Runner:
         except BaseException:
             tracker.close(failed=True)  # the MLflow run is marked FAILED rather than left RUNNING
             raise
+        finally:
+            workers.pool.remove_scratch()  # the vlmrl-rendezvous-<experiment>-* temp dir
+
+    @staticmethod
+    def _loaders(config: Config):
+        """The training loader and the validation loader (or None), with a line saying what they hold."""
+        from transformers import AutoProcessor
+
+        from vlmrl.data.loader import make_loader
+
+        model, data = config.worker.actor.model, config.data
+        processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.model_path)
+        train = _dataset(config, data.train_files, processor)
+        train_loader = make_loader(train, data.rollout_batch_size, data.shuffle, data.seed, drop_last=True)
+        summary = f"data: {len(train)} training prompts, {len(train_loader)} steps per epoch of {data.rollout_batch_size}"
+        val_loader = None
+        if data.val_files:
+            val = _dataset(config, data.val_files, processor)
+            val_batch = len(val) if data.val_batch_size == -1 else data.val_batch_size
+            val_loader = make_loader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
+            summary += f"; {len(val)} validation prompts"
+        print(summary, flush=True)
+        return train_loader, val_loader
+
+
+def _finished_line(done: int, steps_per_epoch: int, config: Config) -> str | None:
+    """The one line for a run whose checkpoint already holds all its steps, or None when there is training left."""
+    trainer_cfg = config.trainer
+    total = planned_steps(steps_per_epoch, trainer_cfg.total_epochs, trainer_cfg.max_steps)
+    if done < total:
+        return None
+    if trainer_cfg.max_steps and trainer_cfg.max_steps == total:
+        limit = f"max_steps={trainer_cfg.max_steps}"
+    else:
+        limit = f"the {total} steps of total_epochs={trainer_cfg.total_epochs}"
+    where = "past" if done > total else "at"
+    return (
+        f"nothing to train: the checkpoint at step {done} is {where} {limit}; "
+        f"remove it or pick another experiment_name (or raise trainer.max_steps to train further)"
+    )

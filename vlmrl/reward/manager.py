@@ -12,6 +12,7 @@ taking the run down with it or hanging it.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from vlmrl.config.options import RewardManagerType, TimeoutPolicy
 from vlmrl.reward.function import RewardFunctionError, RewardTimeout, load_reward_function
 from vlmrl.reward.sandbox import Outcome, Sandbox, Status
+
+log = logging.getLogger(__name__)
 
 CHUNKS_PER_PROCESS = 4
 """A sequential step is cut into about this many contiguous chunks per process: enough to
@@ -128,11 +131,11 @@ class FunctionRewardManager:
 
     def _report_timeouts(self, inputs: list[dict], timeouts: list[int]) -> None:
         if timeouts:
-            print(
-                f"reward: {len(timeouts)} sample(s) of {len(inputs)} scored 0: {self.spec} ran past "
-                f"worker.reward.timeout={self.timeout}s (first: {_where(inputs, timeouts[0])})",
-                flush=True,
-            )
+            # A warning: it reaches the console from the reward actor's process (vlmrl.driver.console).
+            log.warning(
+                "reward: %d sample(s) of %d scored 0: %s ran past worker.reward.timeout=%ss (first: %s)",
+                len(timeouts), len(inputs), self.spec, self.timeout, _where(inputs, timeouts[0]),
+            )  # fmt: skip
 
 
 class SequentialFunctionRewardManager(FunctionRewardManager):

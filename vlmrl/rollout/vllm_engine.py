@@ -41,6 +41,29 @@ import torch
 from vlmrl.rollout.engine import Engine, EngineBusy, EngineOutput, EngineRequest, NamedTensors, SampleOutput
 
 
+# vLLM 0.32's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
+# finalize_layerwise_processing) counts a layer's buffers as loadable tensors and
+# warns "<Layer>: Failed to load weights" when a reload brings none of them. These
+# layers hold only buffers that vLLM computes itself when it builds the model and
+# that no checkpoint holds: RotaryEmbedding / MRotaryEmbedding their cos/sin cache,
+# FusedMMInputNorm the image normalisation (mean and std) folded into a scale and
+# shift. On such a layer vLLM puts its own tensors back, so the warning, three per
+# resync, is noise; tests/test_resync.py checks a reloaded engine decodes exactly as
+# a fresh one. Only this message for these layers is dropped, none of vLLM's others.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+WEIGHTLESS_LAYERS = frozenset({"RotaryEmbedding", "MRotaryEmbedding", "FusedMMInputNorm"})
+
+
+def _weightless_reload_warning(record: logging.LogRecord) -> bool:
+    """False (drop it) for vLLM's "Failed to load weights" about a layer in WEIGHTLESS_LAYERS."""
+    return not (
+        record.msg == "%s: Failed to load weights"
+        and isinstance(record.args, tuple)
+        and len(record.args) == 1
+        and record.args[0] in WEIGHTLESS_LAYERS
+    )
+
+
 class VLLMEngine(Engine):
     def __init__(
         self,
@@ -96,6 +119,7 @@ class VLLMEngine(Engine):
         # vLLM's CPU worker forbids torch.set_num_threads after it binds threads and
         # warns at every multimodal request that tries; the warnings carry no news.
         logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
+        logging.getLogger(_RELOAD_LOGGER).addFilter(_weightless_reload_warning)
         self.seed = seed
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
         self.last_timings: dict[str, float] = {}

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from vlmrl.config import Config, LoggerName, RewardConfig, TrainerConfig
 from vlmrl.loggers.tracking import PACKAGES
-from vlmrl.plan import is_hub_id, uses_critic
-from vlmrl.reward.function import RewardFunctionError, load_reward_function
+from vlmrl.plan import ModelKindError, is_hub_id, model_kind, uses_critic
+from vlmrl.reward.function import RewardFunctionError, check_kwargs, load_reward_function
 
-__all__ = ["checkpoint_problems", "logger_problems", "path_problems", "reward_problems"]
+__all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
 
 
 def path_problems(config: Config) -> list[str]:
@@ -60,6 +60,40 @@ def path_problems(config: Config) -> list[str]:
     return problems
 
 
+def model_problems(config: Config) -> list[str]:
+    """The kind of each local model (vision-language or text, from its config.json) and what it allows.
+
+    Hub ids are left to the workers, which read the Hub's config with the same rule.
+    """
+    problems = []
+    actor = config.worker.actor.model
+    paths = [("worker.actor.model.model_path", actor.model_path)]
+    if uses_critic(config) and config.worker.critic.model.model_path:
+        paths.append(("worker.critic.model.model_path", config.worker.critic.model.model_path))
+    kinds = {}
+    for key, path in paths:
+        if not path or not Path(path).is_dir():
+            continue  # reported by path_problems, or a Hub id
+        try:
+            kinds[key] = model_kind(path)
+        except ModelKindError as e:
+            problems.append(f"{key}: {e}")
+    actor_kind = kinds.get("worker.actor.model.model_path")
+    if actor_kind == "text" and actor.freeze_vision_tower:
+        problems.append(
+            f"worker.actor.model.freeze_vision_tower=true but {actor.model_path} is a text-only model (no "
+            "vision_config): it has no vision tower; set worker.actor.model.freeze_vision_tower=false"
+        )
+    critic_kind = kinds.get("worker.critic.model.model_path")
+    if actor_kind == "vision_language" and critic_kind == "text":
+        problems.append(
+            f"worker.critic.model.model_path={config.worker.critic.model.model_path} is a text-only model but the "
+            "actor is a vision-language model: the critic must read the same images; give the critic a "
+            "vision-language model (or leave its model_path empty to start from the actor's)"
+        )
+    return problems
+
+
 def reward_problems(reward: RewardConfig) -> list[str]:
     """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts."""
     problems = []
@@ -69,7 +103,8 @@ def reward_problems(reward: RewardConfig) -> list[str]:
         )
     else:
         try:
-            load_reward_function(reward.reward_function)
+            fn, _ = load_reward_function(reward.reward_function)
+            check_kwargs(fn, reward.reward_function, reward.reward_function_kwargs)
         except RewardFunctionError as e:
             problems.append(str(e))
     if reward.num_cpus < 1:

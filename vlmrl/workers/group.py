@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -54,9 +55,12 @@ def _node_address() -> tuple[str, int]:
 class ResourcePool:
     """One placement group per node, each of ``per_node`` bundles (1 CPU, plus 1 GPU on GPU nodes)."""
 
-    def __init__(self, nnodes: int, per_node: int, device: str):
+    def __init__(self, nnodes: int, per_node: int, device: str, run_name: str = "run"):
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.per_node = per_node
+        self.run_name = run_name
+        self.scratch: Path | None = None
+        """The file rendezvous' directory (one machine), removed by ``release``."""
         # STRICT_PACK keeps a node's bundles on one node, so its workers share that node's GPUs and loopback.
         self.groups: list[PlacementGroup] = [
             placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)
@@ -75,8 +79,9 @@ class ResourcePool:
         GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the cluster's env to choose).
         """
         if len(self.groups) == 1:
-            path = Path(tempfile.mkdtemp(prefix="vlmrl-rendezvous-")) / "store"
-            return f"file://{path}", {"GLOO_SOCKET_IFNAME": "lo"}
+            # A directory of this run's own (its experiment name in it), removed when the run ends.
+            self.scratch = Path(tempfile.mkdtemp(prefix=f"vlmrl-rendezvous-{self.run_name}-"))
+            return f"file://{self.scratch / 'store'}", {"GLOO_SOCKET_IFNAME": "lo"}
         probe = ray.remote(num_cpus=0)(_node_address)
         addresses = ray.get([probe.options(scheduling_strategy=self.strategy(r)).remote() for r in self.ranks()])
         ip, port = addresses[0]
@@ -93,6 +98,13 @@ class ResourcePool:
     def release(self) -> None:
         for g in self.groups:
             remove_placement_group(g)
+        self.remove_scratch()
+
+    def remove_scratch(self) -> None:
+        """Remove the file rendezvous' directory (the workers' process groups no longer need it)."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 def _chunks(items: list, parts: int) -> list[list]:
@@ -127,7 +139,7 @@ class WorkerGroup:
 
         self.config = config
         self.world_size = plan.world_size
-        self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device)
+        self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device, config.trainer.experiment_name)
         init_method, rendezvous_env = self.pool.rendezvous()
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
