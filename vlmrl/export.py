@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+from transformers import AutoConfig, AutoProcessor, GenerationConfig
 
 from vlmrl.config import LoraConfig
+from vlmrl.plan import kind_of
 from vlmrl.train.checkpoint import load_lora_config
 from vlmrl.train.lora import merged_weights, scaling
+from vlmrl.train.models import auto_class
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
 from vlmrl.train.safe_checkpoint import load as safe_load
 
@@ -44,7 +46,7 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
         raise ExportError(str(e)) from e
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config)
+        model = auto_class(kind_of(config.to_dict())).from_config(config)  # a VLM or a text causal LM
     model = model.to_empty(device="cpu")
     lora = load_lora_config(actor_dir)
     if lora is None:

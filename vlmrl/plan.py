@@ -16,6 +16,7 @@ one definition of each.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from vlmrl.algos import ADVANTAGE_ESTIMATORS
 
 if TYPE_CHECKING:
-    from vlmrl.config import Config
+    from vlmrl.config import Config, ModelKind
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,48 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def is_hub_id(path: str) -> bool:
     """A model path that is not on disk but reads as org/name is left to the Hugging Face Hub."""
     return not Path(path).exists() and bool(_HUB_ID.match(path))
+
+
+class ModelKindError(ValueError):
+    """A model directory whose config.json says neither vision-language model nor causal LM, or cannot be read."""
+
+
+def kind_of(model_config: dict) -> ModelKind:
+    """The model kind that a model's config (config.json as a dict) declares.
+
+    A ``vision_config`` makes a vision-language model (Qwen2/2.5/3-VL and the
+    like); otherwise a ``*ForCausalLM`` architecture makes a text-only LM.
+    """
+    from vlmrl.config import ModelKind
+
+    if "vision_config" in model_config:
+        return ModelKind.vision_language
+    architectures = model_config.get("architectures") or []
+    if any(a.endswith("ForCausalLM") for a in architectures):
+        return ModelKind.text
+    raise ModelKindError(
+        f"model_type {model_config.get('model_type')!r} with architectures {architectures}: neither a vision-language "
+        "model (no vision_config) nor a causal LM (no *ForCausalLM architecture); vlmrl trains those two kinds"
+    )
+
+
+def model_kind(model_path: str, trust_remote_code: bool = False) -> ModelKind:
+    """The kind of the model at ``model_path``: its local config.json, or the Hub's for a Hub id.
+
+    Validation asks this before Ray starts; the workers, the dataset and the
+    export ask the same function, so all of them load the model the same way.
+    """
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        try:
+            return kind_of(json.loads(config_file.read_text()))
+        except json.JSONDecodeError as e:
+            raise ModelKindError(f"{config_file} is not valid JSON ({e})") from e
+    if not Path(model_path).exists() and is_hub_id(model_path):
+        from transformers import AutoConfig
+
+        return kind_of(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).to_dict())
+    raise ModelKindError(f"{model_path} has no config.json; point it at a HF model directory")
 
 
 @dataclass(frozen=True)

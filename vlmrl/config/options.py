@@ -17,6 +17,7 @@ __all__ = [
     "Device",
     "LRSchedulerType",
     "LoggerName",
+    "ModelKind",
     "OldLogProbPass",
     "OptimizerStrategy",
     "RewardManagerType",
@@ -61,6 +62,16 @@ class LRSchedulerType(enum.StrEnum):
 
     constant = "constant"
     cosine = "cosine"
+
+
+class ModelKind(enum.StrEnum):
+    """What a model directory holds, read from its config.json when the config is validated (``vlmrl.plan.model_kind``)."""
+
+    vision_language = "vision_language"
+    """A vision-language model (its config has a ``vision_config``), loaded with ``AutoModelForImageTextToText``."""
+    text = "text"
+    """A text-only causal LM (a ``*ForCausalLM`` architecture), loaded with ``AutoModelForCausalLM``; its processor
+    may be a tokenizer alone."""
 
 
 class Device(enum.StrEnum):

@@ -107,7 +107,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.tools = tools or []
         """Function schemas the model may call (multi-turn rollouts): they go into every prompt."""
         self.processor = processor
-        self.tokenizer = processor.tokenizer
+        self.tokenizer = getattr(processor, "tokenizer", processor)  # a text LM's processor may be its tokenizer
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.image_key, self.video_key = image_key, video_key
         self.image_dir = Path(image_dir) if image_dir else None
@@ -115,14 +115,17 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.video_fps = video_fps
         self.on_bad_sample = BadSamplePolicy(on_bad_sample)
-        image_processor = processor.image_processor
-        self.patch_size = image_processor.patch_size
-        self.resize_factor = image_processor.patch_size * image_processor.merge_size
         self.format_template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
         self.chat_template = override_chat_template
         # The positions depend on the model family; the processor directory holds its config too.
         config = model_config or AutoConfig.from_pretrained(self.tokenizer.name_or_path)
-        self.mrope = MRope.from_config(config)
+        self.text_only = not hasattr(config, "vision_config")
+        """A text causal LM: rows with images or videos are refused, positions are 0 .. L-1."""
+        self.mrope = None if self.text_only else MRope.from_config(config)
+        if not self.text_only:
+            image_processor = processor.image_processor
+            self.patch_size = image_processor.patch_size
+            self.resize_factor = image_processor.patch_size * image_processor.merge_size
 
         self.rows = load_rows(files)
         for key, setting in (
@@ -254,6 +257,8 @@ class RLHFDataset(torch.utils.data.Dataset):
                 "no answer (the value is missing or null); the reward needs one",
             )
 
+        if self.text_only:
+            return self._text_sample(row_id, row, where, prompt, answer, check_length)
         images = self._images(row, where)
         videos = self._videos(row, where)
         text = self._render_prompt(prompt, len(images), len(videos), where)
@@ -308,6 +313,57 @@ class RLHFDataset(torch.utils.data.Dataset):
             extra={k: v for k, v in row.items() if k not in media_keys},
             videos=videos,
             position_ids=position_ids,
+            uid=f"{name}:{row_in_file}",
+        )
+
+    def _text_sample(
+        self, row_id: int, row: dict, where: str, prompt: str, answer: Any, check_length: bool
+    ) -> PromptSample:
+        """A row for a text-only model: the prompt as the user turn's text, no media, positions 0 .. L-1."""
+        for key in (self.image_key, self.video_key):
+            media = row.get(key)
+            count = 1 if isinstance(media, str) else len(_as_list(media))
+            if count:
+                raise BadRowError(
+                    where, key,
+                    f"the row has {count} {'image' if key == self.image_key else 'video'}(s) but the model is "
+                    "text-only (its config.json has no vision_config); use a vision-language model, or data "
+                    "without media",
+                )  # fmt: skip
+        if self.format_template is not None:
+            prompt = self.format_template.render(content=prompt)
+        messages = [{"role": "user", "content": prompt}]  # text chat templates take a string content
+        kwargs: dict[str, Any] = {}
+        if self.tools:
+            if template_has_tools(self.chat_template or self.tokenizer.chat_template):
+                kwargs["tools"] = self.tools
+            else:
+                messages.insert(0, {"role": "system", "content": tools_system_message(self.tools)})
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, **kwargs
+        )
+        input_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if check_length and len(input_ids) > self.max_prompt_length:
+            raise OverlongPromptError(
+                f"{where}: the prompt is {len(input_ids)} tokens, over data.max_prompt_length="
+                f"{self.max_prompt_length}; raise data.max_prompt_length, or set data.filter_overlong_prompts=true "
+                "to drop such rows"
+            )
+        name, row_in_file = self.rows.locate(row_id)
+        media_keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
+        return PromptSample(
+            index=row_id,
+            raw_prompt_ids=input_ids,
+            input_ids=input_ids,
+            images=[],
+            mm_inputs={},
+            ground_truth=str(answer),
+            data_source=str(row.get("data_source") or "unknown"),
+            prompt_text=text,
+            extra={k: v for k, v in row.items() if k not in media_keys},
+            videos=[],
+            # The records keep Qwen-VL's three rows; for text they are equal, and a text model reads one.
+            position_ids=torch.arange(len(input_ids)).expand(3, -1).clone(),
             uid=f"{name}:{row_in_file}",
         )
 

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.testing import format_tune, synthetic, tiny_vlm
+from vlmrl.testing import format_tune, synthetic, tiny_text, tiny_vlm
 
 FAMILY = "qwen2_5_vl"
 SEED = 0
@@ -61,6 +61,19 @@ class QuickstartAssets:
     """The same rows with the shapes removed: the baseline of a policy that cannot see."""
 
 
+@dataclass(frozen=True)
+class TextAssets:
+    """Tiny random-init text-only LMs (Qwen2 and Qwen3 dense) and a text math task in math12k's columns."""
+
+    model_dir: Path
+    """Qwen2 (``Qwen2ForCausalLM``), a tokenizer and no processor."""
+    qwen3_model_dir: Path
+    """Qwen3 (``Qwen3ForCausalLM``)."""
+    math_train_file: Path
+    math_val_file: Path
+    """Arithmetic problems: ``problem``, ``answer`` (``vlmrl.testing.tiny_text.write_math_dataset``)."""
+
+
 def default_cache_dir() -> Path:
     if env := os.environ.get("VLMRL_CACHE_DIR"):
         return Path(env)
@@ -85,6 +98,27 @@ def quickstart_version() -> str:
     """Hash of everything that decides the bytes of the quickstart assets (the tiny model's included)."""
     settings = f"{assets_version()}:{QUICKSTART_TASK}:{QUICKSTART_N_TRAIN}:{QUICKSTART_N_VAL}"
     return _version((synthetic, format_tune), settings)
+
+
+def text_assets_version() -> str:
+    """Hash of everything that decides the bytes of the text assets."""
+    return _version((tiny_vlm, tiny_text), f"text:{SEED}:{N_TRAIN}:{N_VAL}")
+
+
+def _text_layout(root: Path) -> TextAssets:
+    return TextAssets(
+        model_dir=root / "tiny-qwen2-text",
+        qwen3_model_dir=root / "tiny-qwen3-text",
+        math_train_file=root / "math" / "train.parquet",
+        math_val_file=root / "math" / "val.parquet",
+    )
+
+
+def _build_text(root: Path) -> None:
+    assets = _text_layout(root)
+    tiny_text.build_tiny_text_lm(assets.model_dir, family="qwen2", seed=SEED)
+    tiny_text.build_tiny_text_lm(assets.qwen3_model_dir, family="qwen3", seed=SEED)
+    tiny_text.write_math_dataset(assets.math_train_file.parent, n_train=N_TRAIN, n_val=N_VAL, seed=SEED)
 
 
 def _layout(root: Path) -> TinyAssets:
@@ -160,6 +194,15 @@ def ensure_quickstart_assets(cache_dir: Path | None = None) -> QuickstartAssets:
     final = cache_dir / f"quickstart-assets-{version}"
     _ensure(cache_dir, final, version, lambda tmp: _build_quickstart(tmp, base))
     return _quickstart_layout(final)
+
+
+def ensure_text_assets(cache_dir: Path | None = None) -> TextAssets:
+    """Return the tiny text LMs and the math data, building them on first use."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    version = text_assets_version()
+    final = cache_dir / f"text-assets-{version}"
+    _ensure(cache_dir, final, version, _build_text)
+    return _text_layout(final)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,14 @@ import dataclasses
 from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
-from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
+from vlmrl.testing.assets import (
+    QuickstartAssets,
+    TextAssets,
+    TinyAssets,
+    ensure_quickstart_assets,
+    ensure_text_assets,
+    ensure_tiny_assets,
+)
 
 __all__ = ["register_resolvers", "tiny_asset"]
 
@@ -29,12 +36,15 @@ def tiny_asset(name: str) -> str:
     """
     tiny = [f.name for f in dataclasses.fields(TinyAssets)]
     quickstart = [f"quickstart_{f.name}" for f in dataclasses.fields(QuickstartAssets)]
+    text = [f"text_{f.name}" for f in dataclasses.fields(TextAssets)]
     if name in tiny:
         return str(getattr(ensure_tiny_assets(), name))
     if name in quickstart:
         return str(getattr(ensure_quickstart_assets(), name.removeprefix("quickstart_")))
+    if name in text:
+        return str(getattr(ensure_text_assets(), name.removeprefix("text_")))
     # Loading turns a ConfigError raised inside a resolver into the config's own problem list.
-    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart)}"])
+    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart + text)}"])
 
 
 def register_resolvers() -> None:

@@ -56,7 +56,7 @@ def forward_response(
     """
     device = _device(model)
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
-    inputs, layout = packing.model_inputs(batch, padding_free, device)
+    inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
     if padding_free:
         # lm_head runs only where a logit predicts a response token.
         out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)

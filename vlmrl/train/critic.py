@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForImageTextToText
-
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
@@ -26,6 +24,7 @@ from vlmrl import algos
 from vlmrl.algos import LossAvgMode
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
+from vlmrl.train.models import load_pretrained
 from vlmrl.train.micro_batches import MicroBatching, merged_mm_inputs
 from vlmrl.train.update_loop import run_epochs
 
@@ -42,7 +41,7 @@ class ValueModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> ValueModel:
-        vlm = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        vlm = load_pretrained(model_path, dtype, trust_remote_code)  # a VLM, or a text causal LM
         model = cls(vlm.model, vlm.config.get_text_config().hidden_size, dtype)
         model.no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
         return model
@@ -59,7 +58,7 @@ def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) 
     device = next(model.parameters()).device
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     shape = tuple(batch.responses.shape)
-    inputs, layout = packing.model_inputs(batch, padding_free, device)
+    inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
     values = model(**inputs, use_cache=False, **mm)  # (1, T) packed, (b, S) trimmed
     if padding_free:
         # The position before a response token is the state in which it is chosen: the actor's logit index.

@@ -1,4 +1,4 @@
-"""Padding-free passes for Qwen2/2.5/3-VL: a padded micro-batch packed into one row of real tokens.
+"""Padding-free passes for Qwen2/2.5/3-VL and text causal LMs: a padded micro-batch packed into one row of real tokens.
 
 The ``Batch`` stays padded (left-padded prompts, right-padded responses) so
 that shards from different workers concatenate; only the model's forward sees
@@ -114,24 +114,41 @@ def trim(batch: Batch) -> Trimmed:
     )
 
 
-def model_inputs(batch: Batch, padding_free: bool, device: torch.device) -> tuple[dict, Packed | Trimmed]:
+def is_text_only(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a text-only causal LM (or a critic on one): its config has no ``vision_config``.
+
+    A text model takes plain ``(b, S)`` positions; a Qwen-VL model the 3-D mrope ones.
+    """
+    config = getattr(model, "config", None)
+    if config is None:  # the critic: a value head on a backbone
+        config = model.backbone.config
+    return not hasattr(config, "vision_config")
+
+
+def model_inputs(
+    batch: Batch, padding_free: bool, device: torch.device, text_only: bool = False
+) -> tuple[dict, Packed | Trimmed]:
     """The model's token inputs for ``batch`` on ``device``, packed into one row or trimmed, and that layout.
 
     Packed rows carry no attention mask: the text-position row marks where each sequence starts.
-    Trimmed rows carry their mask and the (3, b, S) positions Qwen-VL expects.
+    Trimmed rows carry their mask and the (3, b, S) positions Qwen-VL expects. ``text_only`` (a causal LM):
+    the text positions alone, (1, T) packed or (b, S) trimmed; a text token's three mrope rows are equal to
+    its text position anyway, so the records keep one layout for both kinds of model.
     """
     if padding_free:
         packed = pack(batch)
+        positions = packed.position_ids[0] if text_only else packed.position_ids  # (1, T) or (4, 1, T)
         inputs = {
             "input_ids": packed.input_ids.to(device),
             "attention_mask": None,
-            "position_ids": packed.position_ids.to(device),  # (4, 1, T)
+            "position_ids": positions.to(device),
         }
         return inputs, packed
     trimmed = trim(batch)
+    positions = trimmed.position_ids[:, 0] if text_only else trimmed.position_ids.transpose(0, 1)  # (b, S) or (3, b, S)
     inputs = {
         "input_ids": trimmed.input_ids.to(device),
         "attention_mask": trimmed.attention_mask.to(device),
-        "position_ids": trimmed.position_ids.transpose(0, 1).to(device),  # (3, b, S)
+        "position_ids": positions.to(device),
     }
     return inputs, trimmed

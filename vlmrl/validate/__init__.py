@@ -30,7 +30,7 @@ from vlmrl.validate.features import (
     lora_problems,
     not_supported_yet,
 )
-from vlmrl.validate.files import checkpoint_problems, logger_problems, path_problems
+from vlmrl.validate.files import checkpoint_problems, logger_problems, model_problems, path_problems
 from vlmrl.validate.numbers import batch_problems, range_problems, schedule_problems, validation_problems
 
 __all__ = ["load_config", "logger_problems", "validate"]
@@ -60,6 +60,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
     # The order is the order problems are listed in.
     return [
         *path_problems(config),
+        *model_problems(config),
         *range_problems(config),
         *batch_problems(config),
         *schedule_problems(config),

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan, weights_dtype
@@ -32,6 +31,7 @@ from vlmrl.train import lora as lora_adapters
 from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
+from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
 from vlmrl.train.micro_batches import MicroBatching, TokenCount
 from vlmrl.workers.store import PassInput, TrajectoryStore
 
@@ -48,8 +48,8 @@ def _load_sharded(
     options: ShardOptions,
     lora: LoraConfig | None = None,
 ) -> torch.nn.Module:
-    """Load a HF VLM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    """Load a HF VLM or text causal LM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
+    model = load_pretrained(model_path, dtype, trust_remote_code)
     if lora is not None:
         # Before sharding, so each adapter lands in its layer's FSDP unit and is sharded like the rest.
         lora_adapters.add_lora(model, lora)
@@ -113,8 +113,8 @@ class TrainerWorker:
         torch.manual_seed(config.data.seed + rank)
 
         model_path = actor_cfg.model.model_path
-        self.processor = AutoProcessor.from_pretrained(actor_cfg.model.tokenizer_path or model_path)
-        self.tokenizer = self.processor.tokenizer
+        self.processor = load_processor(actor_cfg.model.tokenizer_path or model_path)  # a tokenizer for a text LM
+        self.tokenizer = tokenizer_of(self.processor)
         dtype = _dtype(plan.actor_dtype)
         trust = actor_cfg.model.trust_remote_code
         self.lora = actor_cfg.model.lora if actor_cfg.model.lora.rank > 0 else None
