@@ -64,6 +64,14 @@ def estimator_problems(config: Config) -> list[str]:
             "worker.rollout.temperature=0 with algorithm.adv_estimator=remax: ReMax's baseline is a greedy "
             "response, so greedy samples have advantage 0; set a temperature > 0"
         )
+    elif rollout.temperature == 0 and not trainer.val_only:
+        # Greedy training samples: a group's n samples are one response (advantage 0 under every group
+        # estimator), and the policy gradient needs samples drawn from the policy. The run would train nothing.
+        problems.append(
+            "worker.rollout.temperature=0: training would sample greedily, so every sample of a prompt is the same "
+            "response and the update learns nothing; set a temperature > 0 (1.0 samples the policy itself). "
+            "Greedy decoding is for validation: worker.rollout.val_override_config.temperature (0 by default)"
+        )
     if not uses_critic(config):
         if config.worker.critic.model.model_path:
             problems.append(

@@ -80,11 +80,12 @@ def range_problems(config: Config) -> list[str]:
         problems.append(
             f"worker.actor.clip_ratio_low={actor.clip_ratio_low}: must be in (0, 1)"
         )
-    if actor.clip_ratio_high <= 0:
+    # Written as "not (valid)" so that NaN, for which every comparison is false, is refused too.
+    if not actor.clip_ratio_high > 0:
         problems.append(
             f"worker.actor.clip_ratio_high={actor.clip_ratio_high}: must be positive"
         )
-    if actor.clip_ratio_dual <= 1:
+    if not actor.clip_ratio_dual > 1:
         problems.append(
             f"worker.actor.clip_ratio_dual={actor.clip_ratio_dual}: must be greater than 1"
         )
@@ -96,14 +97,21 @@ def range_problems(config: Config) -> list[str]:
     ):
         if not value > 0:
             problems.append(f"{key}={value}: must be positive")
-    betas = actor.optim.betas
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+    problems.extend(optim_problems("worker.actor", actor.optim))
+    if uses_critic(config):
+        # The critic trains too: the same bounds (its skipped steps fail the run like the actor's).
+        critic = config.worker.critic
+        for key, value in (
+            ("worker.critic.max_grad_norm", critic.max_grad_norm),
+            ("worker.critic.optim.lr", critic.optim.lr),
+        ):
+            if not value > 0:
+                problems.append(f"{key}={value}: must be positive")
+        problems.extend(optim_problems("worker.critic", critic.optim))
+    if not (trainer.max_consecutive_skipped_steps == -1 or trainer.max_consecutive_skipped_steps >= 1):
         problems.append(
-            f"worker.actor.optim.betas={betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]"
-        )
-    if actor.optim.weight_decay < 0:
-        problems.append(
-            f"worker.actor.optim.weight_decay={actor.optim.weight_decay}: must be 0 or more"
+            f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps}: must be at least 1, "
+            "or -1 to never stop a run for skipped updates"
         )
     problems.extend(
         sampling_problems(
@@ -122,6 +130,17 @@ def range_problems(config: Config) -> list[str]:
         problems.append(
             f"trainer.critic_warmup={trainer.critic_warmup}: must be 0 or more"
         )
+    return problems
+
+
+def optim_problems(section: str, optim) -> list[str]:
+    """AdamW's betas and weight decay (NaN-safe)."""
+    problems = []
+    betas = optim.betas
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        problems.append(f"{section}.optim.betas={betas}: give two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if not optim.weight_decay >= 0:
+        problems.append(f"{section}.optim.weight_decay={optim.weight_decay}: must be 0 or more")
     return problems
 
 
@@ -216,7 +235,7 @@ def batch_problems(config: Config) -> list[str]:
         ):
             if value < 1:
                 problems.append(f"{key}={value}: must be at least 1")
-        if critic.cliprange_value <= 0:
+        if not critic.cliprange_value > 0:  # NaN too
             problems.append(
                 f"worker.critic.cliprange_value={critic.cliprange_value}: must be positive"
             )
