@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # GRPO on Qwen2.5-VL-32B-Instruct with geometry3k, one node of 8 x 80 GB GPUs.
 #
-# NOT RUNNABLE YET: a 32B model needs vLLM tensor parallelism (its 65 GB of
-# bf16 weights do not fit one GPU beside the actor's shard), which vlmrl
-# rejects at validation for now ("not supported by vlmrl yet"); the actor's
-# offload during generation (offload.*) is implemented. The settings are the
-# ones to use once TP lands; until then, use the 7B script, or give the run
-# more memory per GPU.
+# A 32B model needs vLLM tensor parallelism (its 65 GB of bf16 weights do not
+# fit one GPU beside the actor's shard): the 8 workers share one engine
+# sharded over them (tensor_parallel_size=8, vLLM's external launcher in the
+# workers' processes), and the actor is offloaded during generation. TP runs
+# on CPU in the tests (2 workers, TP=2); on GPUs it has not been run yet.
 # Extra key=value arguments are passed on (see qwen2_5_vl_7b_geo3k_grpo.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +13,7 @@ export PYTHONUNBUFFERED=1
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-VL-32B-Instruct}  # a Hub id, or a local directory
 
-"${PYTHON:-python3}" -m vlmrl.main \
+exec "${PYTHON:-python3}" -m vlmrl.main \
     config=examples/config.yaml \
     data.train_files=hiyouga/geometry3k@train \
     data.val_files=hiyouga/geometry3k@test \

@@ -943,15 +943,16 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
             ["worker.rollout.tensor_parallel_size=2"],
             CPU,
             [
-                "worker.rollout.tensor_parallel_size=2 on CPU: the CPU engine runs on one device per worker"
+                "worker.rollout.tensor_parallel_size=2 does not divide trainer.n_gpus_per_node=1: an engine's "
+                "workers must be on one node"
             ],
         ),
         (
             ["trainer.n_gpus_per_node=4", "worker.rollout.tensor_parallel_size=3"],
             GPUS,
             [
-                "worker.rollout.tensor_parallel_size=3 does not divide trainer.n_gpus_per_node=4",
-                f"worker.rollout.tensor_parallel_size=3: {TODO}",
+                "worker.rollout.tensor_parallel_size=3 does not divide trainer.n_gpus_per_node=4: an engine's GPUs "
+                "must be on one node",
             ],
         ),
         (
@@ -1074,16 +1075,21 @@ def test_multi_node_runs_validate():
     assert resolve(config, CPU).world_size == 2
 
 
-def test_tensor_parallel_on_gpus_is_not_supported_yet():
+@pytest.mark.parametrize("cluster", [CPU, GPUS], ids=["cpu", "gpus"])
+def test_tensor_parallel_engines_over_the_workers_of_a_node_validate(cluster):
+    config = load_config([QUICKSTART, "trainer.n_gpus_per_node=2", "worker.rollout.tensor_parallel_size=2"], cluster)
+    plan = resolve(config, cluster)
+    assert (plan.world_size, plan.tensor_parallel_size, plan.rollout_groups) == (2, 2, 1)
+
+
+def test_tensor_parallel_with_multi_turn_rollouts_is_refused():
     problems = problems_of(
-        QUICKSTART,
-        "trainer.n_gpus_per_node=2",
-        "worker.rollout.tensor_parallel_size=2",
-        cluster=GPUS,
-    )
-    assert problems == [
-        f"worker.rollout.tensor_parallel_size=2: {TODO}; set worker.rollout.tensor_parallel_size=1 (one engine per GPU)"
-    ]
+        QUICKSTART, "trainer.n_gpus_per_node=2", "worker.rollout.tensor_parallel_size=2",
+        "worker.rollout.multi_turn.enable=true",
+    )  # fmt: skip
+    assert [p for p in problems if p.startswith(
+        "worker.rollout.tensor_parallel_size=2 with worker.rollout.multi_turn.enable=true: the agent loop"
+    )], problems
 
 
 def test_unused_sections_are_not_checked():

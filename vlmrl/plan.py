@@ -203,6 +203,14 @@ class Plan:
     checkpoint_dir: str
     notes: tuple[str, ...] = ()
     """Settings accepted but not acted on (vlmrl does not do them yet), one line each."""
+    tensor_parallel_size: int = 1
+    """Workers that share one vLLM engine, sharded over them (worker.rollout.tensor_parallel_size): consecutive
+    ranks on one node form a tensor-parallel group, and each group samples its own share of the prompts."""
+
+    @property
+    def rollout_groups(self) -> int:
+        """Engines in the run: one per tensor-parallel group of workers."""
+        return self.world_size // self.tensor_parallel_size
 
     def old_log_probs_from_forward(self, step: int, samples: int) -> bool:
         """Whether this step's update gives the old log-probs itself (no old pass): the whole rule, in one place.
@@ -268,6 +276,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         experiment_dir=str(experiment_dir.resolve()),
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
         notes=_notes(config),
+        tensor_parallel_size=rollout.tensor_parallel_size,
     )
 
 
@@ -346,6 +355,11 @@ def describe(plan: Plan, config: Config) -> str:
         (
             f"workers: {plan.world_size} on {plan.device} ({plan.nnodes} node(s) x {plan.workers_per_node}), "
             f"each holding {', '.join(holds)} and a vLLM engine"
+            + (
+                f" shard ({plan.rollout_groups} engine(s), each over {plan.tensor_parallel_size} workers)"
+                if plan.tensor_parallel_size > 1
+                else ""
+            )
         ),
         f"weights: {dtypes}, engine {rollout.dtype.value}",
         (

@@ -80,6 +80,7 @@ class VLLMEngine(Engine):
         max_pixels: int,
         allowed_tokens: torch.Tensor,
         free_cache_engine: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -109,6 +110,14 @@ class VLLMEngine(Engine):
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
             **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
+            # Tensor parallelism in the workers' own processes (vLLM's "external launcher", as verl does it):
+            # each worker of a group builds this engine on the process group the trainer set up, holds its
+            # shard, and is handed the same requests; vLLM groups consecutive ranks into engines of this size.
+            **(
+                {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "external_launcher"}
+                if tensor_parallel_size > 1
+                else {}
+            ),
             **memory,
         )
         self.version = 0

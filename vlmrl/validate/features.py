@@ -142,15 +142,17 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             f"set trainer.n_gpus_per_node to at most {cluster.gpus}"
         )
     tp = rollout.tensor_parallel_size
-    if tp > 1 and not on_gpu:
-        problems.append(
-            f"worker.rollout.tensor_parallel_size={tp} on CPU: the CPU engine runs on one device per worker; "
-            "set worker.rollout.tensor_parallel_size=1"
-        )
-    elif tp > 1 and trainer.n_gpus_per_node % tp:
+    if tp > 1 and trainer.n_gpus_per_node % tp:
+        where = "GPUs" if on_gpu else "workers"
         problems.append(
             f"worker.rollout.tensor_parallel_size={tp} does not divide trainer.n_gpus_per_node="
-            f"{trainer.n_gpus_per_node}: an engine's GPUs must be on one node; pick a divisor of n_gpus_per_node"
+            f"{trainer.n_gpus_per_node}: an engine's {where} must be on one node; pick a divisor of n_gpus_per_node"
+        )
+    if tp > 1 and rollout.multi_turn.enable:
+        problems.append(
+            f"worker.rollout.tensor_parallel_size={tp} with worker.rollout.multi_turn.enable=true: the agent loop "
+            "runs its tools in each worker, and the workers of a tensor-parallel engine must send it the same "
+            "requests; set worker.rollout.tensor_parallel_size=1 for multi-turn rollouts"
         )
     sections = [("worker.actor", config.worker.actor)]
     if uses_critic(config):
@@ -185,8 +187,6 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         (config.data.mini_rollout_batch_size not in (None, config.data.rollout_batch_size),
          f"data.mini_rollout_batch_size={config.data.mini_rollout_batch_size}",
          "unset it (null) to generate each step at once"),
-        (rollout.tensor_parallel_size > 1 and device(config, cluster) == "cuda", f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size}",
-         "set worker.rollout.tensor_parallel_size=1 (one engine per GPU)"),
         (rollout.limit_images > 0, f"worker.rollout.limit_images={rollout.limit_images}", "set worker.rollout.limit_images=0"),
         (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
          "set worker.reward.skip_special_tokens=true"),

@@ -107,6 +107,13 @@ class ResourcePool:
             self.scratch = None
 
 
+def per_tensor_parallel_group(items: list, world: int, tp: int) -> list[list]:
+    """Each rank's share of ``items`` for a rollout: one even share per tensor-parallel group of ``tp``
+    consecutive ranks, handed to every rank of the group (the ranks of an engine serve the same requests)."""
+    shares = _chunks(items, world // tp)
+    return [shares[rank // tp] for rank in range(world)]
+
+
 def _chunks(items: list, parts: int) -> list[list]:
     if len(items) % parts:
         raise ValueError(f"{len(items)} items do not split evenly over {parts} workers")
@@ -139,6 +146,7 @@ class WorkerGroup:
 
         self.config = config
         self.world_size = plan.world_size
+        self.tensor_parallel_size = plan.tensor_parallel_size
         self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device, config.trainer.experiment_name)
         init_method, rendezvous_env = self.pool.rendezvous()
         env = {
@@ -240,13 +248,18 @@ class WorkerGroup:
         The workers return trajectories without pixels or media; the prompts' are put back here, so the
         driver's batch is complete without sending them twice.
         """
-        prompt_parts, id_parts = _chunks(prompts, self.world_size), _chunks(group_ids, self.world_size)
+        tp = self.tensor_parallel_size
+        prompt_parts = per_tensor_parallel_group(prompts, self.world_size, tp)
+        id_parts = per_tensor_parallel_group(group_ids, self.world_size, tp)
         start = time.perf_counter()
         results = self.call("generate", [(p, g, sampling, keep) for p, g in zip(prompt_parts, id_parts)])
         call_seconds = time.perf_counter() - start
         prompt_of = dict(zip(group_ids, prompts))
         trajectories = []
-        for rank, (part, _) in enumerate(results):
+        # A tensor-parallel group's workers sampled the same trajectories as one engine: the first rank's
+        # copy goes into the batch, and every rank of the group holds it (each kept its own, equal, copy).
+        for leader in range(0, self.world_size, tp):
+            part, _ = results[leader]
             for t in part:
                 prompt = prompt_of[t.group_id]
                 full = t
@@ -256,7 +269,7 @@ class WorkerGroup:
                     )
                 trajectories.append(full)
                 if keep:
-                    self._held_by(full).add(rank)
+                    self._held_by(full).update(range(leader, leader + tp))
         data = self.config.data
         batch = to_batch(
             trajectories,

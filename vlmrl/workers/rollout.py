@@ -12,6 +12,7 @@ this process, next to the engine.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -40,10 +41,17 @@ class RolloutWorker:
         self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor, processor=None
     ):
         rollout_cfg = config.worker.rollout
+        tp = plan.tensor_parallel_size
+        if tp > 1:
+            # vLLM's external launcher reads the rank from the environment (the process group already exists).
+            # On GPU each worker sees only its own device, so its local rank is 0.
+            os.environ["RANK"] = str(rank)
+            os.environ["LOCAL_RANK"] = "0" if plan.device == "cuda" else str(rank % plan.workers_per_node)
         self.engine = VLLMEngine(
             config.worker.actor.model.model_path,
             dtype=rollout_cfg.dtype.value,
-            seed=rollout_cfg.seed + rank,
+            # The workers of a tensor-parallel group sample as one engine: the same seed and the same requests.
+            seed=rollout_cfg.seed + rank // tp,
             max_model_len=plan.rollout_max_model_len,
             max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
             enforce_eager=rollout_cfg.enforce_eager,
@@ -53,6 +61,7 @@ class RolloutWorker:
             max_pixels=config.data.max_pixels,
             allowed_tokens=allowed_tokens,
             free_cache_engine=rollout_cfg.free_cache_engine,
+            tensor_parallel_size=tp,
         )
         vocab = tokenizer.get_vocab()
         self.pad_ids = tuple(vocab[t] for t in ("<|image_pad|>", "<|video_pad|>") if t in vocab)

@@ -1,0 +1,53 @@
+"""vLLM tensor parallelism over the workers (worker.rollout.tensor_parallel_size): the rollout's split of the
+prompts per tensor-parallel group, and the seeds and plan that make a group's workers one engine.
+
+The real run (2 CPU workers sharing one vLLM engine, TP=2, through vLLM's
+external launcher) is tests/test_easyr1_default_config.py's 2-step training run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.configs import CPU, GPUS, QUICKSTART
+
+from vlmrl.plan import resolve
+from vlmrl.validate import load_config
+from vlmrl.workers.group import per_tensor_parallel_group
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch, quickstart_assets):
+    from helpers.runs import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def test_each_group_of_consecutive_ranks_gets_one_share_of_the_prompts():
+    prompts = list(range(8))
+    # 8 workers, TP=2: 4 engines (ranks 0-1, 2-3, 4-5, 6-7), 2 prompts each, both ranks of an engine the same 2.
+    assert per_tensor_parallel_group(prompts, world=8, tp=2) == [
+        [0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7],
+    ]  # fmt: skip
+    # TP=4: 2 engines of 4 prompts.
+    assert per_tensor_parallel_group(prompts, world=8, tp=4) == [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
+    # TP=1 is the split per worker it always was.
+    assert per_tensor_parallel_group(prompts, world=4, tp=1) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_share_that_does_not_split_over_the_engines_is_an_error():
+    with pytest.raises(ValueError, match="3 items do not split evenly over 2 workers"):
+        per_tensor_parallel_group([0, 1, 2], world=4, tp=2)
+
+
+def test_the_plan_counts_one_engine_per_group_and_says_so():
+    config = load_config(
+        [QUICKSTART, "trainer.n_gpus_per_node=8", "worker.rollout.tensor_parallel_size=2",
+         "worker.actor.micro_batch_size_per_device_for_update=16"], GPUS
+    )
+    plan = resolve(config, GPUS)
+    assert (plan.tensor_parallel_size, plan.rollout_groups) == (2, 4)
+    from vlmrl.plan import describe
+
+    assert "a vLLM engine shard (4 engine(s), each over 2 workers)" in describe(plan, config)
+    one = resolve(load_config([QUICKSTART], CPU), CPU)
+    assert (one.tensor_parallel_size, one.rollout_groups) == (1, 1)
