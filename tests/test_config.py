@@ -25,6 +25,7 @@ from vlmrl.config import (
     ConfigError,
     RewardManagerType,
     TrainerConfig,
+    parse,
     parse_config,
     to_dict,
 )
@@ -89,7 +90,9 @@ def test_cli_override_wins_even_when_written_before_config():
 
 
 def test_cli_merges_into_a_yaml_mapping_instead_of_replacing_it():
-    config = load_config([QUICKSTART, "worker.reward.reward_function_kwargs.extra=2"])
+    # parse, not load_config: the quickstart's reward function takes no `extra` (validation says so).
+    config, problems = parse([QUICKSTART, "worker.reward.reward_function_kwargs.extra=2"])
+    assert problems == []
     assert config.worker.reward.reward_function_kwargs == {
         "format_weight": 0.0,
         "extra": 2,

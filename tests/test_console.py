@@ -10,8 +10,8 @@ validation, ``key=null`` / ``key={}`` replacing a YAML mapping, the usage line,
 from __future__ import annotations
 
 import io
+import os
 import logging
-import re
 import subprocess
 import sys
 import tempfile
@@ -65,7 +65,7 @@ def test_the_console_shows_the_run_and_not_the_engines(quickstart_one_step):
         assert noise not in console, f"{noise!r} on the console:\n{console}"
     lines = console.splitlines()
     assert any(line.startswith("plan:") for line in lines), console
-    assert any(re.match(r"data: 1024 training prompts, 64 steps per epoch of 16; 128 validation prompts", line) for line in lines)
+    assert "data: 1024 training prompts, 64 steps per epoch of 16; 128 validation prompts" in lines, console
     assert any(line.startswith("step 1 | reward ") for line in lines), console
     assert any(line.startswith("checkpoint: saved ") for line in lines), console
     assert any(line.startswith("run summary: 1 steps in ") for line in lines), console
@@ -95,7 +95,8 @@ def test_a_finished_checkpoint_says_there_is_nothing_to_train(quickstart_one_ste
     _, _, again = quickstart_one_step
     assert again.returncode == 0, tail(again)
     console = again.stdout + again.stderr
-    assert "nothing to train: the checkpoint at step 1 is at max_steps=1; remove it or pick another experiment_name" in console
+    line = "nothing to train: the checkpoint at step 1 is at max_steps=1; remove it or pick another experiment_name"
+    assert line in console, console
     assert "run summary" not in console and "step 1 |" not in console and "perf:" not in console, console
 
 
@@ -174,7 +175,7 @@ def test_no_arguments_or_a_missing_config_print_the_usage_and_the_two_commands(a
 
 def test_help_with_a_prefix_shows_only_that_section():
     text = help_text("worker.rollout")
-    keys = [line.split()[0] for line in text.splitlines() if line.startswith("  worker.") or line.startswith("  trainer.")]
+    keys = [line.split()[0] for line in text.splitlines() if line.startswith(("  worker.", "  trainer.", "  data."))]
     assert keys and all(k.startswith("worker.rollout.") for k in keys)
     assert "worker.rollout.temperature" in keys
     assert len(text) < len(help_text()) / 3
@@ -218,7 +219,8 @@ def test_the_view_without_a_terminal_prints_the_lines_and_one_line_for_the_start
 
 
 def _record(msg: str, *args) -> logging.LogRecord:
-    return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", logging.WARNING, "", 0, msg, args, None)
+    name = "vllm.model_executor.model_loader.reload.layerwise"
+    return logging.LogRecord(name, logging.WARNING, "", 0, msg, args, None)
 
 
 def test_only_vllms_failed_to_load_warning_for_weightless_layers_is_dropped():
@@ -228,3 +230,33 @@ def test_only_vllms_failed_to_load_warning_for_weightless_layers_is_dropped():
     assert _weightless_reload_warning(_record("%s: Failed to load weights", "QKVParallelLinear"))
     assert _weightless_reload_warning(_record("Allocating %.1f MB of device memory", 3.0))
 
+
+
+_SETUP = """
+import logging, os, sys
+from vlmrl.driver.console import process_setup
+process_setup()
+print("python print", flush=True)
+os.write(1, b"c-level write\\n")
+logging.getLogger("vlmrl.reward.manager").warning("reward: 1 sample(s) of 2 scored 0")
+logging.getLogger("vlmrl.x").info("info line")
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_process_setup_sends_a_process_output_to_the_log_and_vlmrl_warnings_to_the_terminal(tmp_path, verbose):
+    """What Ray runs first in each worker process: its output to run.log; verbose, to the terminal too."""
+    log = tmp_path / "run.log"
+    env = {**os.environ, "VLMRL_RUN_LOG": str(log), "VLMRL_VERBOSE": "1" if verbose else "0"}
+    proc = subprocess.run([sys.executable, "-c", _SETUP], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    written = log.read_text()
+    for line in ("python print", "c-level write", "reward: 1 sample(s) of 2 scored 0", "info line"):
+        assert line in written
+    terminal = proc.stdout + proc.stderr
+    if verbose:
+        assert "python print" in proc.stdout and "c-level write" in proc.stdout and "info line" in terminal
+    else:
+        # Only vlmrl's warning reaches the stream Ray forwards to the driver.
+        assert proc.stdout == ""
+        assert proc.stderr == "vlmrl WARNING: reward: 1 sample(s) of 2 scored 0\n"

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if "--help" in args or "-h" in args:
         at = args.index("--help") if "--help" in args else args.index("-h")
-        prefix = args[at + 1] if at + 1 < len(args) and "=" not in args[at + 1] and not args[at + 1].startswith("-") else ""
+        following = args[at + 1] if at + 1 < len(args) else ""
+        prefix = following if "=" not in following and not following.startswith("-") else ""  # --help KEY_PREFIX
         try:
             print(help_text(prefix), flush=True)
         except BrokenPipeError:
@@ -95,6 +96,11 @@ def _run(config, plan, hooks) -> int:
         }
         if os.environ.get("RAY_ADDRESS"):
             ray.init(**options)
+            from vlmrl.driver.cluster_auth import unauthenticated_cluster_warning
+
+            warning = unauthenticated_cluster_warning(os.environ, config.trainer.warn_unauthenticated_ray)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         else:
             # A local cluster with no dashboard. Logical CPUs cover every actor
             # the run places even on a 2-core machine; the workers set their own

@@ -16,7 +16,7 @@ from typing import Any
 
 from vlmrl.config.schema import Config
 
-__all__ = ["USAGE", "field_docs", "help_text", "iter_options"]
+__all__ = ["field_docs", "help_text", "iter_options"]
 
 USAGE = """usage: python -m vlmrl.main config=<yaml> [key=value ...] [--dry-run | --help [KEY_PREFIX]]
 

@@ -27,6 +27,7 @@ then left out, since Ray's lines would tear it.
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
@@ -39,7 +40,6 @@ LOG_FILE = "run.log"
 """The engines' logs, in the experiment dir."""
 
 _FORWARD_HANDLER = "vlmrl-forward"
-
 
 RUN_LOG_ENV, VERBOSE_ENV = "VLMRL_RUN_LOG", "VLMRL_VERBOSE"
 """How the driver tells each worker process (through the job's runtime_env) where to log, and how."""
@@ -98,7 +98,17 @@ def _tee(target: int, fd: int) -> None:
             os.write(fd, chunk)
             os.write(original, chunk)
 
-    threading.Thread(target=pump, name=f"vlmrl-tee-{target}", daemon=True).start()
+    thread = threading.Thread(target=pump, name=f"vlmrl-tee-{target}", daemon=True)
+    thread.start()
+
+    def drain() -> None:
+        # At exit: put the old target back, which closes this process's write end, and let the pump finish.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(original, target)
+        thread.join(timeout=2.0)
+
+    atexit.register(drain)
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,16 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
     from vlmrl.data.dataset import RLHFDataset  # datasets and transformers: imported while the workers start
 
     data = config.data
+    model = config.worker.actor.model
+    model_config = None
+    if model.tokenizer_path:  # the positions and the model kind come from the model's config, not the tokenizer's dir
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
     return RLHFDataset(
         files,
         processor,
+        model_config=model_config,
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
         image_key=data.image_key,
@@ -55,6 +62,7 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
         video_key=data.video_key,
         video_fps=data.video_fps,
         on_bad_sample=data.on_bad_sample,
+        limit_images=config.worker.rollout.limit_images,
         tools=tool_schemas(config),
     )
 
@@ -129,6 +137,11 @@ class Runner:
                 config, plan, train_loader, val_loader, scorers, workers, tracker,
                 checkpoints=checkpoints, resume_from=resume_from, stop_requested=self.stop_requested, hooks=hooks,
             ).fit()  # fmt: skip
+            if trainer_cfg.ray_timeline:  # EasyR1's key: Ray's task timeline, for chrome://tracing
+                import ray
+
+                ray.timeline(filename=trainer_cfg.ray_timeline)
+                print(f"ray timeline: {trainer_cfg.ray_timeline}", flush=True)
         except BaseException:
             tracker.close(failed=True)  # the MLflow run is marked FAILED rather than left RUNNING
             raise
@@ -146,7 +159,8 @@ class Runner:
         processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.model_path)
         train = _dataset(config, data.train_files, processor)
         train_loader = make_loader(train, data.rollout_batch_size, data.shuffle, data.seed, drop_last=True)
-        summary = f"data: {len(train)} training prompts, {len(train_loader)} steps per epoch of {data.rollout_batch_size}"
+        per_epoch = f"{len(train_loader)} steps per epoch of {data.rollout_batch_size}"
+        summary = f"data: {len(train)} training prompts, {per_epoch}"
         val_loader = None
         if data.val_files:
             val = _dataset(config, data.val_files, processor)
