@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-VL-3B-Instruct}  # a Hub id, or a local directory
 
-"${PYTHON:-python3}" -m vlmrl.main \
+exec "${PYTHON:-python3}" -m vlmrl.main \
     config=examples/config.yaml \
     data.train_files=hiyouga/geometry3k@train \
     data.val_files=hiyouga/geometry3k@test \

@@ -473,6 +473,8 @@ class TrainerConfig:
     """Online filtering: generation rounds allowed to fill one step's batch; -1 for no limit."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts (GAE)."""
+    warn_unauthenticated_ray: bool = True
+    """vlmrl addition: warn when RAY_ADDRESS is a cluster without Ray's token authentication; false for a cluster firewalled to you alone."""
     max_consecutive_skipped_steps: int = 3
     """vlmrl addition: fail the run after this many steps in a row whose every actor (or critic) optimizer step was skipped for a non-finite gradient; -1 never stops."""
     output_dir: str = "outputs"

@@ -195,7 +195,9 @@ class TrainingLoop:
                         resync_metrics = self.workers.sync_weights()
                 self.workers.release()  # the workers drop the step's trajectories
                 val_metrics = {}
-                if self._validation_due(step):
+                # A stop request skips validation: the grace period before SIGKILL is for saving.
+                stopping = self.stop_requested.is_set()
+                if self._validation_due(step) and not stopping:
                     with timer("testing", timings):
                         val_metrics = self.validator.run(step)
                 # 6. Save when due, at the end, or when asked to stop.
@@ -203,6 +205,8 @@ class TrainingLoop:
                 if self._save_due(step) or stopping:
                     with timer("save_checkpoint", timings):
                         self._save(step)
+                    # A request that came during the save: this step is saved, so stop now, not a step later.
+                    stopping = self.stop_requested.is_set()
             metrics = {
                 **batch_metrics(batch, entropy),
                 **rewards.metrics,
