@@ -438,6 +438,8 @@ class RewardConfig:
     """vlmrl addition: seconds one call of the reward function may take (one response for a sequential function, the step's whole batch for a batch function); null for no limit."""
     on_timeout: TimeoutPolicy = TimeoutPolicy.error
     """vlmrl addition: a call past the timeout fails the step (error), or scores 0 and is counted in reward/timeouts (zero)."""
+    memory_limit_mb: int | None = 8192
+    """vlmrl addition: address space each reward process may use (RLIMIT_AS); past it the call raises MemoryError instead of the kernel killing a worker. Null for no limit."""
 
 
 @dataclass

@@ -136,6 +136,7 @@ def start_scorers(reward: RewardConfig, validation: bool) -> Scorers:
             num_cpus=reward.num_cpus,
             timeout=reward.timeout,
             on_timeout=reward.on_timeout,
+            memory_limit_mb=reward.memory_limit_mb,
         )
         return Scorer(actor, reward.reward_function)
 

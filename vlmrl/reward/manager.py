@@ -93,12 +93,13 @@ class FunctionRewardManager:
         num_cpus: int = 1,
         timeout: float | None = None,
         on_timeout: TimeoutPolicy = TimeoutPolicy.error,
+        memory_limit_mb: int | None = None,
     ):
         self.spec = spec
         self.timeout = timeout
         self.on_timeout = TimeoutPolicy(on_timeout)
         processes = max(1, num_cpus) if self.parallel else 1
-        self.sandbox = Sandbox(spec, kwargs or {}, processes=processes, timeout=timeout)
+        self.sandbox = Sandbox(spec, kwargs or {}, processes=processes, timeout=timeout, memory_limit_mb=memory_limit_mb)
 
     def start(self) -> None:
         """Load the function in every reward process; a load error or kwargs that do not fit raise here."""

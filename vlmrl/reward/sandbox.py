@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -117,9 +118,11 @@ class _Child:
 class Sandbox:
     """``processes`` reward processes running ``spec``, each call limited to ``timeout`` seconds."""
 
-    def __init__(self, spec: str, kwargs: dict[str, Any], processes: int, timeout: float | None):
+    def __init__(
+        self, spec: str, kwargs: dict[str, Any], processes: int, timeout: float | None, memory_limit_mb: int | None = None
+    ):
         self.spec, self.timeout, self.processes = spec, timeout, processes
-        self.init = {"sys_path": list(sys.path), "spec": spec, "kwargs": dict(kwargs)}
+        self.init = {"sys_path": list(sys.path), "spec": spec, "kwargs": dict(kwargs), "memory_limit_mb": memory_limit_mb}
         self.children: list[_Child] = []
 
     def start(self) -> None:
@@ -237,17 +240,54 @@ class Sandbox:
             self._replace(child, None)
 
 
+_LOAD_CHECKS: dict[tuple, str | None] = {}
+
+
+def check_loads(spec: str, kwargs: dict[str, Any], memory_limit_mb: int | None) -> None:
+    """Load ``spec`` and check ``kwargs`` against it in a reward process, as a run would; raise RewardFunctionError.
+
+    Used at validation, so that a module that calls ``os._exit`` or crashes at import ends a child, not the
+    driver. The answer is kept per process for the same spec, kwargs and file contents (validation runs often).
+    """
+    location = spec.rsplit(":", 1)[0]
+    try:
+        stamp = os.stat(location).st_mtime_ns if location.endswith(".py") else None
+    except OSError:
+        stamp = None
+    key = (spec, repr(sorted(kwargs.items())), stamp, memory_limit_mb, tuple(sys.path), os.getcwd())
+    if key not in _LOAD_CHECKS:
+        sandbox = Sandbox(spec, kwargs, processes=1, timeout=None, memory_limit_mb=memory_limit_mb)
+        try:
+            sandbox.start()
+            _LOAD_CHECKS[key] = None
+        except RewardFunctionError as e:
+            _LOAD_CHECKS[key] = str(e)
+        finally:
+            sandbox.close()
+    if _LOAD_CHECKS[key] is not None:
+        raise RewardFunctionError(_LOAD_CHECKS[key])
+
+
 # ----------------------------------------------------------------------------- child side
 
 
 def _exit_with_parent() -> None:
-    """End this process when the manager that started it is gone, even mid-call."""
+    """End this process, and whatever user code started, when the manager that started it is gone, even mid-call.
+
+    Polled rather than PR_SET_PDEATHSIG: that signal follows the parent *thread*,
+    and the manager starts processes from whichever of its threads needs one.
+    """
     parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
-        os._exit(1)
+        # This process leads its own process group (start_new_session): kill the group, so that no
+        # process the user's code started outlives the manager either.
+        try:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        finally:
+            os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -262,6 +302,12 @@ def serve(read_fd: int, write_fd: int) -> None:
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     _exit_with_parent()
     init = inbox.recv()
+    limit_mb = init.get("memory_limit_mb")
+    if limit_mb is not None:
+        # Address space, before the user's module loads: a function that eats memory gets MemoryError
+        # in its own call instead of the kernel's OOM killer picking the biggest process (a worker).
+        limit = limit_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # The manager's import path, and its working directory as `python -m` would add it.
     sys.path[:] = init["sys_path"] + ([os.getcwd()] if os.getcwd() not in init["sys_path"] else [])
     kwargs = init["kwargs"]
@@ -273,19 +319,22 @@ def serve(read_fd: int, write_fd: int) -> None:
         return
     outbox.send(("ready",))
     try:
-        _serve_calls(fn, kwargs, inbox, outbox)
+        _serve_calls(fn, kwargs, inbox, outbox, limit_mb)
     except (EOFError, BrokenPipeError):  # the manager closed the pipes or is gone
         return
 
 
-def _serve_calls(fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection) -> None:
+def _serve_calls(fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection, limit_mb: int | None) -> None:
     while True:
         calls = inbox.recv()
         for call_id, payload in calls:
             try:
                 value = fn(payload, **kwargs)
             except BaseException as e:  # sys.exit() in user code is a failed call too
-                outbox.send(("raised", call_id, _describe(e)))
+                message = _describe(e)
+                if isinstance(e, MemoryError) and limit_mb is not None:
+                    message = f"it needed more than worker.reward.memory_limit_mb={limit_mb} MB: {message}"
+                outbox.send(("raised", call_id, message))
                 continue
             try:
                 outbox.send(("ok", call_id, value))

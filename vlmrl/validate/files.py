@@ -13,7 +13,8 @@ from pathlib import Path
 from vlmrl.config import Config, LoggerName, RewardConfig, TrainerConfig
 from vlmrl.loggers.tracking import PACKAGES
 from vlmrl.plan import ModelKindError, is_hub_id, model_kind, uses_critic
-from vlmrl.reward.function import RewardFunctionError, check_kwargs, load_reward_function
+from vlmrl.reward.function import RewardFunctionError
+from vlmrl.reward.sandbox import check_loads
 
 __all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
 
@@ -103,8 +104,8 @@ def reward_problems(reward: RewardConfig) -> list[str]:
         )
     else:
         try:
-            fn, _ = load_reward_function(reward.reward_function)
-            check_kwargs(fn, reward.reward_function, reward.reward_function_kwargs)
+            # In a reward process, as a run loads it: a module that exits or crashes at import ends that process.
+            check_loads(reward.reward_function, reward.reward_function_kwargs, reward.memory_limit_mb)
         except RewardFunctionError as e:
             problems.append(str(e))
     if reward.num_cpus < 1:
@@ -112,6 +113,11 @@ def reward_problems(reward: RewardConfig) -> list[str]:
     if reward.timeout is not None and not reward.timeout > 0:
         problems.append(
             f"worker.reward.timeout={reward.timeout}: must be a positive number of seconds, or null for no limit"
+        )
+    if reward.memory_limit_mb is not None and reward.memory_limit_mb < 256:
+        problems.append(
+            f"worker.reward.memory_limit_mb={reward.memory_limit_mb}: must be at least 256 (Python itself needs "
+            "about 100 MB of address space), or null for no limit"
         )
     return problems
 
