@@ -81,7 +81,7 @@ def _run(config, plan, hooks) -> int:
     """Start or join Ray, run the Runner to the end, and turn SIGTERM / SIGINT into a saved stop."""
     import ray
 
-    from vlmrl.driver.console import LOG_FILE, ConsoleView, runtime_env
+    from vlmrl.driver.console import LOG_FILE, ConsoleView, quiet_ray_notices, runtime_env
     from vlmrl.driver.runner import Runner
 
     verbose = config.trainer.verbose
@@ -91,9 +91,11 @@ def _run(config, plan, hooks) -> int:
         # Every worker process of the run sends its output to run.log (and, verbose, to the terminal too).
         options = {
             "runtime_env": runtime_env(str(log_path), verbose),
-            # Quiet: the driver's own Ray lines ("Started a local Ray instance.") only when they are errors.
-            "logging_level": logging.INFO if verbose else logging.ERROR,
+            # Quiet: the driver's own Ray lines only from warnings up ("Started a local Ray instance." is INFO).
+            "logging_level": logging.INFO if verbose else logging.WARNING,
         }
+        if not verbose:
+            quiet_ray_notices()
         if os.environ.get("RAY_ADDRESS"):
             ray.init(**options)
             from vlmrl.driver.cluster_auth import unauthenticated_cluster_warning

@@ -53,6 +53,18 @@ def runtime_env(log_path: str, verbose: bool) -> dict:
     }
 
 
+def quiet_ray_notices() -> None:
+    """In the driver: drop Ray's notice that the local cluster it starts uses token authentication.
+
+    Ray 2.60 logs it as a warning at every ``ray.init`` that starts a cluster;
+    it reports the safe default (README, Ray's ports), not a problem. Ray's
+    other warnings still show.
+    """
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith("Token authentication is enabled")
+    )
+
+
 def process_setup() -> None:
     """Point this process's stdout and stderr at the run's log file (and, verbose, at their old targets too).
 
