@@ -69,6 +69,10 @@ def open_image(item: Any, image_dir: Path | None) -> Image.Image:
         return image.convert("RGB")
     except MediaError:
         raise
+    except Image.DecompressionBombError as e:  # not an OSError: it would escape on_bad_sample=skip and end the run
+        raise MediaError(
+            f"image too large to decode ({e}); shrink it, or leave the row out with data.on_bad_sample=skip"
+        ) from e
     except (
         OSError,
         ValueError,
