@@ -58,4 +58,49 @@ def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
         diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
         metrics["rollout/log_prob_diff_mean"] = algos.masked_mean(diff, mask).item()
         metrics["rollout/log_prob_diff_max"] = diff[valid].max().item()
+    metrics.update(agent_metrics(batch))
+    return metrics
+
+
+def agent_metrics(batch: Batch) -> dict[str, float]:
+    """Multi-turn rollouts (``agent/*``): turns, tool calls by tool and by outcome, stop reasons, tool latency,
+    the share of the response the model wrote, observation tokens and images, template mismatches, and the
+    rollout-vs-actor log-prob gap of each turn."""
+    trajectories = [t for t in batch.trajectories if t.turn_ends]
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+    calls = [c for t in trajectories for c in t.tool_calls]
+    metrics = {
+        **_stats("agent/turns", torch.tensor([t.num_turns for t in trajectories])),
+        "agent/tool_calls/mean": len(calls) / n,
+        "agent/images/mean": sum(len(t.media) - t.prompt_media for t in trajectories) / n,
+        "agent/render_mismatch_rate": sum(t.render_mismatch for t in trajectories) / n,
+    }
+    for reason in ("done", "max_turns", "length", "error"):
+        metrics[f"agent/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
+    for name in sorted({c["name"] for c in calls if c["name"]}):
+        metrics[f"agent/tool_calls/{name}"] = sum(c["name"] == name for c in calls) / n
+    if calls:
+        for status, key in (("ok", "success_rate"), ("parse_error", "parse_error_rate"), ("timeout", "timeout_rate")):
+            metrics[f"agent/tool/{key}"] = sum(c["status"] == status for c in calls) / len(calls)
+        seconds = torch.tensor([c.get("seconds", 0.0) for c in calls], dtype=torch.float64)
+        metrics["agent/tool/latency_p50_s"] = seconds.quantile(0.5).item()
+        metrics["agent/tool/latency_p95_s"] = seconds.quantile(0.95).item()
+    model = sum(sum(t.loss_mask[t.prompt_length :]) for t in trajectories)
+    after_prompt = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
+    metrics["action/ratio"] = model / max(after_prompt, 1)
+    metrics["agent/observation_tokens/mean"] = (after_prompt - model) / n
+    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
+        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
+        by_turn: dict[int, list[torch.Tensor]] = {}
+        for row, t in enumerate(batch.trajectories):
+            start = t.prompt_length
+            for turn, end in enumerate(t.turn_ends):
+                cols = [i - t.prompt_length for i in range(start, end + 1) if t.loss_mask[i] and i - t.prompt_length < diff.shape[1]]
+                if cols:
+                    by_turn.setdefault(turn, []).append(diff[row, cols])
+                start = end + 1
+        for turn, values in sorted(by_turn.items()):
+            metrics[f"agent/log_prob_diff/turn_{turn}"] = torch.cat(values).mean().item()
     return metrics

@@ -35,6 +35,23 @@ def place_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tens
     return token_level
 
 
+def add_turn_rewards(token_level: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``token_level`` (B, R) plus each multi-turn trajectory's turn rewards on the last token of their turns.
+
+    GAE and REINFORCE++ then see each reward where it was earned; the group estimators, which sum a row's
+    token-level rewards, score the trajectory as its outcome plus its turn rewards. A turn cut off by the
+    response budget drops its reward with its tokens.
+    """
+    out = token_level.clone()
+    width = out.shape[1]
+    for row, t in enumerate(batch.trajectories):
+        for end, reward in zip(t.turn_ends, t.turn_rewards):
+            col = end - t.prompt_length
+            if reward and 0 <= col < width:
+                out[row, col] += reward
+    return out
+
+
 def reward_inputs(batch: Batch) -> list[dict]:
     """EasyR1's reward_input per sample (response, response_length, ground_truth) plus vlmrl's additions.
 
@@ -44,7 +61,7 @@ def reward_inputs(batch: Batch) -> list[dict]:
     """
     extras = batch.extra_fields or [{}] * len(batch)
     images = batch.images or [[]] * len(batch)
-    return [
+    inputs = [
         {
             **extras[i],
             "response": batch.response_texts[i],
@@ -57,6 +74,16 @@ def reward_inputs(batch: Batch) -> list[dict]:
         }
         for i in range(len(batch))
     ]
+    for x, t in zip(inputs, batch.trajectories):
+        if t.turn_ends:  # a multi-turn trajectory: the conversation too; "response" is its last model turn
+            x.update(
+                messages=t.messages,
+                num_turns=t.num_turns,
+                tool_calls=t.tool_calls,
+                turn_rewards=list(t.turn_rewards),
+                stop_reason=t.stop_reason,
+            )
+    return inputs
 
 
 @dataclass
@@ -98,7 +125,10 @@ class Scorer:
         result: RewardResult = self.get(job)
         per_sample = {"overall": result.overall, **result.sub_scores}
         metrics = {**reduce_reward_metrics(per_sample, prefix=prefix), f"{prefix}/timeouts": len(result.timeouts)}
-        return Rewards(place_scores(result.overall, batch.response_mask), per_sample, metrics)
+        token_level = place_scores(result.overall, batch.response_mask)
+        if any(t.turn_rewards for t in batch.trajectories):
+            token_level = add_turn_rewards(token_level, batch)
+        return Rewards(token_level, per_sample, metrics)
 
     def get(self, ref: ray.ObjectRef):
         """``ray.get`` with the manager's failures as RewardFunctionErrors that say what happened."""

@@ -81,6 +81,19 @@ class Validator:
                     if batch.rollout_log_probs is not None
                     else None,
                 }
+                t = batch.trajectories[i]
+                if t.turn_ends:  # a conversation: every token after the prompt, which of them the model wrote
+                    completion = t.completion_ids
+                    row.update(
+                        response_ids=completion,
+                        loss_mask=t.loss_mask[t.prompt_length :],
+                        rollout_log_probs=t.log_probs[t.prompt_length :] if t.log_probs is not None else None,
+                        messages=t.messages,
+                        tool_calls=t.tool_calls,
+                        turn_rewards=t.turn_rewards,
+                        stop_reason=t.stop_reason,
+                        images=len(t.media),
+                    )
                 f.write(json.dumps(row) + "\n")
 
 
@@ -92,9 +105,23 @@ def samples(batch: Batch, step: int, count: int) -> list[ValidationSample]:
             data_source=batch.data_sources[i],
             prompt=batch.prompt_texts[i],
             images=batch.images[i] if batch.images else [],
-            response=batch.response_texts[i],
+            response=conversation_text(batch.trajectories[i]),
             ground_truth=batch.ground_truths[i],
             scores={k: v[i] for k, v in batch.reward_metrics.items()},
         )
         for i in range(min(count, len(batch)))
     ]
+
+
+def conversation_text(t) -> str:
+    """A trajectory's response as a reader wants it: the response, or for a conversation every turn in order
+    (``[image]`` where a tool or the environment showed one; the images themselves go with the sample)."""
+    if not t.turn_ends:
+        return t.response_text
+    lines = []
+    for m in t.messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join("[image]" if c.get("type") == "image" else str(c.get("text", "")) for c in content)
+        lines.append(f"[{m.get('role')}] {content}")
+    return "\n".join(lines)

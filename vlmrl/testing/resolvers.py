@@ -14,6 +14,7 @@ import dataclasses
 from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
+from vlmrl.testing.agent_assets import AgentAssets, ensure_agent_assets
 from vlmrl.testing.assets import (
     QuickstartAssets,
     TextAssets,
@@ -37,14 +38,17 @@ def tiny_asset(name: str) -> str:
     tiny = [f.name for f in dataclasses.fields(TinyAssets)]
     quickstart = [f"quickstart_{f.name}" for f in dataclasses.fields(QuickstartAssets)]
     text = [f"text_{f.name}" for f in dataclasses.fields(TextAssets)]
+    agent = [f"agent_{f.name}" for f in dataclasses.fields(AgentAssets)]
     if name in tiny:
         return str(getattr(ensure_tiny_assets(), name))
     if name in quickstart:
         return str(getattr(ensure_quickstart_assets(), name.removeprefix("quickstart_")))
     if name in text:
         return str(getattr(ensure_text_assets(), name.removeprefix("text_")))
+    if name in agent:
+        return str(getattr(ensure_agent_assets(), name.removeprefix("agent_")))
     # Loading turns a ConfigError raised inside a resolver into the config's own problem list.
-    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart + text)}"])
+    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart + text + agent)}"])
 
 
 def register_resolvers() -> None:

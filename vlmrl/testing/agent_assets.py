@@ -1,0 +1,195 @@
+"""The agent quickstart's task, tool and starting model: the colour can only be seen through a tool.
+
+Each row shows a covered picture (a blank canvas) and asks for the colour of
+the shape in it. The ``reveal`` tool (examples/agent_tools.py) answers with
+the real picture, kept in the row's ``hidden`` column. A policy that answers
+at once is right by chance (1 in 4); one that calls ``reveal`` and reads the
+colour off the tool's image can be right every time. The blank-tool
+baseline (``reveal_blank``) shows another covered picture, so calling the
+tool there cannot help.
+
+The starting model is the tiny random VLM tuned for format only, as the
+single-turn quickstart's is (``vlmrl.testing.format_tune``): on the prompt it
+either calls ``reveal`` or names a colour, half the time each, and after a
+tool response it names a colour, every colour drawn at random and
+independently of any image. RL has to find that calling the tool and looking
+at its picture pays.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmrl.testing import synthetic
+
+QUESTION = "<image>What colour is the shape? The picture is covered; reveal shows it. Answer with one word."
+TOOL_CALL = '<tool_call>{"name": "reveal"}</tool_call>'
+TOOL_TEXT = "the picture"
+N_TRAIN, N_VAL = 1024, 128
+STEPS, BATCH_SIZE, LR = 40, 16, 1e-3
+CALL_SHARE = 0.5
+"""How often the tuned model calls the tool on the prompt, before RL."""
+
+
+@dataclass(frozen=True)
+class AgentAssets:
+    model_dir: Path
+    """The tiny model tuned to call reveal or answer, at random (see the module docstring)."""
+    train_file: Path
+    val_file: Path
+
+
+def reveal_schema() -> dict:
+    """The schema the reveal tools of examples/agent_tools.py get from their signature and docstring."""
+    return {
+        "type": "function",
+        "function": {
+            "name": "reveal",
+            "description": "Show the picture.",
+            "parameters": {"type": "object", "properties": {}, "required": []},
+        },
+    }
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_agent_dataset(out_dir: Path, n_train: int = N_TRAIN, n_val: int = N_VAL, seed: int = 0) -> None:
+    import pyarrow.parquet as pq
+    from datasets import Dataset, Features, Image as ImageFeature, List, Value
+
+    features = Features(
+        {
+            "problem": Value("string"),
+            "answer": Value("string"),
+            "images": List(ImageFeature()),
+            "hidden": Value("binary"),
+            "data_source": Value("string"),
+        }
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("val", n_val)):
+        rng = random.Random(f"agent:{split}:{seed}")
+        samples = [synthetic.shape_colour_sample(rng) for _ in range(n)]
+        columns = {
+            "problem": [QUESTION] * n,
+            "answer": [s.answer for s in samples],
+            "images": [[{"bytes": _png(synthetic.blanked(s).image), "path": None}] for s in samples],
+            "hidden": [_png(s.image) for s in samples],
+            "data_source": ["agent_colour"] * n,
+        }
+        pq.write_table(Dataset.from_dict(columns, features=features).data.table, out_dir / f"{split}.parquet")
+
+
+def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int = STEPS) -> Path:
+    """Write ``model_dir`` tuned to the agent task's format: call reveal or answer, then answer."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmrl.data.chat import tools_system_message
+    from vlmrl.data.dataset import MODEL_INPUT_KEYS
+    from vlmrl.data.media import resize_to_grid
+    from vlmrl.rollout.observations import ConversationRenderer
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    tokenizer = processor.tokenizer
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    rng = random.Random(f"agent:format:{seed}")
+    pictures = [synthetic.shape_colour_sample(rng).image for _ in range(64)]
+    covered = synthetic.blanked(synthetic.shape_colour_sample(rng)).image
+    colours = sorted(synthetic.COLOURS)
+    ip = processor.image_processor
+    factor = ip.patch_size * ip.merge_size
+
+    def grid(image):
+        return resize_to_grid(image, factor, 3136, 12544)
+
+    messages = [
+        {"role": "system", "content": tools_system_message([reveal_schema()])},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION.replace("<image>", "")}]},
+    ]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # What the agent loop appends after a call, from the loop's own renderer: the end-of-turn separator, the
+    # tool's turn with its picture, and the next assistant turn's opening.
+    renderer = ConversationRenderer(
+        processor, chat_template=None, tools=[reveal_schema()], template_has_tools=False, resize=grid,
+        model_input_keys=MODEL_INPUT_KEYS,
+    )  # fmt: skip
+    observation = renderer.render(renderer.tool_messages([(TOOL_TEXT, [covered])]), [covered]).text
+    after_call = TOOL_CALL + tokenizer.eos_token + observation
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    tokenizer.padding_side = "right"
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            texts, images, targets = [], [], []
+            for _ in range(BATCH_SIZE):
+                answer = rng.choice(colours) + tokenizer.eos_token
+                kind = rng.random()
+                if kind < CALL_SHARE / 2:  # the first turn: a call
+                    text, shown, target = prompt, [covered], TOOL_CALL + tokenizer.eos_token
+                elif kind < CALL_SHARE:  # the turn after the tool: a colour, whatever the picture
+                    text, shown, target = prompt + after_call, [covered, rng.choice(pictures)], answer
+                else:  # the first turn: a colour at once
+                    text, shown, target = prompt, [covered], answer
+                texts.append(text + target)
+                images += [grid(i) for i in shown]
+                targets.append(len(tokenizer.encode(target)))
+            # One padded batch (right-padded), the loss on each row's target tokens only.
+            inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
+            labels = torch.full_like(inputs["input_ids"], -100)
+            for row, (length, n) in enumerate(zip(inputs["attention_mask"].sum(dim=1).tolist(), targets)):
+                labels[row, length - n : length] = inputs["input_ids"][row, length - n : length]
+            optimizer.zero_grad()
+            model(**inputs, labels=labels).loss.backward()
+            optimizer.step()
+    model.eval()
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_agent_assets(root: Path, base_model_dir: Path) -> AgentAssets:
+    assets = agent_layout(root)
+    write_agent_dataset(assets.train_file.parent)
+    agent_format_tune(base_model_dir, assets.model_dir)
+    return assets
+
+
+def agent_layout(root: Path) -> AgentAssets:
+    return AgentAssets(
+        model_dir=root / "tiny-qwen2_5_vl-agent-tuned",
+        train_file=root / "data" / "train.parquet",
+        val_file=root / "data" / "val.parquet",
+    )
+
+
+def agent_version() -> str:
+    """Hash of everything that decides the bytes of the agent assets (the tiny model's included)."""
+    from vlmrl.rollout import observations
+    from vlmrl.testing import assets
+    from vlmrl.data import chat
+
+    return assets._version(
+        (synthetic, chat, observations, __import__(__name__, fromlist=["_"])),
+        f"{assets.assets_version()}:{N_TRAIN}:{N_VAL}:{STEPS}:{BATCH_SIZE}:{LR}:{CALL_SHARE}",
+    )
+
+
+def ensure_agent_assets(cache_dir: Path | None = None) -> AgentAssets:
+    """The agent quickstart's tuned model and data, built (with the tiny assets) on first use."""
+    from vlmrl.testing import assets
+
+    cache_dir = Path(cache_dir) if cache_dir is not None else assets.default_cache_dir()
+    base = assets.ensure_tiny_assets(cache_dir)
+    version = agent_version()
+    final = cache_dir / f"agent-assets-{version}"
+    assets._ensure(cache_dir, final, version, lambda tmp: build_agent_assets(tmp, base.model_dir))
+    return agent_layout(final)
