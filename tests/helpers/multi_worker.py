@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from helpers.trajectories import Response, batch_of
+from helpers.trajectories import multi_turn
+from vlmrl.records import Trajectory
+from vlmrl.records.views import to_batch
 from vlmrl.validate import load_config
 from vlmrl.data.loader import make_loader
 from vlmrl.plan import detect_cluster, resolve
@@ -33,17 +35,27 @@ from vlmrl.rollout.sampling import sampling_mask
 
 
 def fixed_batch(config, model, processor):
-    """4 samples: 2 image prompts x 2 responses of ragged lengths, with old/ref log-probs and advantages to fill."""
+    """4 samples: 2 image prompts x 2 responses of ragged lengths, with old/ref log-probs and advantages to fill.
+
+    Two of the four are conversations (a model turn, an observation the model did not write, another turn),
+    so that the workers must also reproduce one process on multi-turn rows: loss-mask gaps inside a row.
+    """
     dataset = _dataset(config, config.data.train_files, processor)
     allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
     allowed_ids = allowed.nonzero().flatten()
     gen = torch.Generator().manual_seed(0)
-    generations = []
-    for i, length in enumerate([8, 2, 5, 3]):
-        ids = allowed_ids[torch.randint(len(allowed_ids), (length,), generator=gen)].tolist()
-        generations.append(Response(dataset[i // 2], i // 2, ids, "", None))
-    batch = batch_of(
-        generations,
+
+    def tokens(n):
+        return allowed_ids[torch.randint(len(allowed_ids), (n,), generator=gen)].tolist()
+
+    trajectories = [
+        multi_turn(dataset[0], 0, 0, [(tokens(3), 1), (tokens(3), 0), (tokens(2), 1)]),
+        Trajectory.single_turn(dataset[0], 0, 1, tokens(2), "", 1.0),
+        multi_turn(dataset[1], 1, 0, [(tokens(2), 1), (tokens(2), 0), (tokens(1), 1)]),
+        Trajectory.single_turn(dataset[1], 1, 1, tokens(3), "", 1.0),
+    ]
+    batch = to_batch(
+        trajectories,
         max_prompt_length=config.data.max_prompt_length,
         max_response_length=config.data.max_response_length,
         pad_token_id=processor.tokenizer.pad_token_id,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlmrl.records import Batch, PromptSample, Trajectory
+import torch
+
+from vlmrl.records import Batch, Media, PromptSample, Trajectory
 from vlmrl.records.views import to_batch
 
 
@@ -42,3 +44,25 @@ def batch_of(
         max_response_length=max_response_length,
         pad_token_id=pad_token_id,
     )
+
+
+def multi_turn(prompt: PromptSample, group_id: int, index: int, pieces: list[tuple[list[int], int]]) -> Trajectory:
+    """A conversation made by hand: after ``prompt``, each piece is (tokens, loss mask) — model turns with mask
+    1, text observations with mask 0 — positions counting on from the prompt's largest one, as text does."""
+    p = len(prompt.input_ids)
+    ids, mask, ends = list(prompt.input_ids), [0] * p, []
+    for tokens, m in pieces:
+        ids += tokens
+        mask += [m] * len(tokens)
+        if m:
+            ends.append(len(ids) - 1)
+    r = len(ids) - p
+    start = int(prompt.position_ids.max()) + 1
+    positions = torch.cat([prompt.position_ids.long(), (start + torch.arange(r)).expand(3, r)], dim=1)
+    items = list(prompt.images)
+    return Trajectory(
+        token_ids=ids, prompt_length=p, loss_mask=mask, position_ids=positions, group_id=group_id,
+        sample_id=f"{group_id}:{index}", temperature=1.0, versions=[-1] * p + [0 if m else -1 for m in mask[p:]],
+        mm_inputs=prompt.mm_inputs, media=[Media("image", -1, x) for x in items], prompt_text=prompt.prompt_text,
+        ground_truth=prompt.ground_truth, row_index=prompt.index, turn_ends=ends, turn_rewards=[0.0] * len(ends),
+    )  # fmt: skip

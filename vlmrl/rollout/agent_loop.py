@@ -372,7 +372,7 @@ class AgentLoop:
             del view[-len(gen) :]
         c.prompt_length -= len(gen)
         # The generation prompt's tokens come back as the observation's first context tokens.
-        return self._observe(c, messages, images, after_turn=False) or False
+        return self._observe(c, messages, images, after_turn=False)
 
     @property
     def _pool(self):

@@ -1,0 +1,126 @@
+"""The agent quickstart's command end to end (tools, tool images, the real stack), cut down to seconds a step.
+
+One uninterrupted run of 3 steps serves most checks: the trajectories are conversations (the reveal tool
+was called and its picture shown), the reward function got the conversation, the metrics and the logged
+validation conversations are there. A second run is killed while saving step 2 and started again: it must
+repeat the uninterrupted run's steps exactly (same prompts, same samples turn by turn, same updates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import pyarrow.parquet as pq
+from helpers.runs import REPO, experiment_dir, read_metrics, tail
+
+STEPS = 3
+COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "agent/turns/mean",
+            "agent/tool_calls/mean", "action/ratio"]  # fmt: skip
+
+REWARD = textwrap.dedent(
+    """
+    import json
+
+    def compute_score(reward_input, log_path):
+        keys = ("num_turns", "turn_rewards", "stop_reason", "tool_calls", "messages")
+        with open(log_path, "a") as f:
+            f.write(json.dumps({k: reward_input.get(k) for k in keys} | {"images": len(reward_input["images"]),
+                                "response": reward_input["response"]}, default=str) + "\\n")
+        right = reward_input["response"].strip().lower() == reward_input["ground_truth"]
+        return {"overall": float(right)}
+    """
+)
+
+
+def _command(out, tmp, *extra):
+    return [
+        sys.executable, "-m", "vlmrl.main", "config=examples/agent_quickstart.yaml",
+        f"trainer.output_dir={out}", "trainer.experiment_name=agent", f"trainer.max_steps={STEPS}",
+        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
+        "worker.actor.micro_batch_size_per_device_for_update=8", "worker.rollout.calculate_log_probs=true",
+        f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
+        f"worker.reward.reward_function_kwargs={{log_path: {tmp / 'calls.jsonl'}}}",
+        "trainer.save_freq=1", "trainer.logger=[console,file]", *extra,
+    ]  # fmt: skip
+
+
+def _run(command, timeout=1200):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def agent_assets():
+    from vlmrl.testing.agent_assets import ensure_agent_assets
+
+    return ensure_agent_assets()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(agent_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent")
+    (tmp / "reward.py").write_text(REWARD)
+    val = tmp / "val.parquet"
+    pq.write_table(pq.read_table(agent_assets.val_file).slice(0, 4), val)
+    proc = _run(_command(tmp / "out", tmp, f"data.val_files={val}", "trainer.val_generations_to_log=2"))
+    assert proc.returncode == 0, tail(proc)
+    return tmp, proc.stdout + proc.stderr
+
+
+def test_the_rollouts_are_conversations_with_the_tools_pictures(uninterrupted):
+    tmp, _ = uninterrupted
+    calls = [json.loads(line) for line in (tmp / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) >= STEPS * 16
+    called = [c for c in calls if c["tool_calls"]]
+    assert called, "the tuned start calls reveal about half the time; no call was made"
+    for c in called:
+        assert c["tool_calls"][0]["name"] == "reveal"
+        if c["tool_calls"][0]["status"] == "ok" and c["num_turns"] == 2:
+            assert c["images"] == 2  # the covered picture and the revealed one
+            assert c["messages"][0]["role"] == "assistant" and "<tool_response>" in json.dumps(c["messages"][1])
+    assert {c["stop_reason"] for c in calls} <= {"done", "max_turns", "length", "error"}
+
+
+def test_the_metrics_and_the_logged_conversations(uninterrupted):
+    tmp, log = uninterrupted
+    metrics = read_metrics(tmp / "out", "agent")
+    train = [m for m in metrics if m["step"] > 0 and "actor/pg_loss" in m]
+    assert [m["step"] for m in train] == list(range(1, STEPS + 1))
+    for key in ("agent/turns/mean", "agent/tool_calls/mean", "agent/tool_calls/reveal", "agent/stop/done",
+                "agent/tool/success_rate", "agent/tool/latency_p95_s", "action/ratio", "agent/images/mean",
+                "agent/render_mismatch_rate", "agent/log_prob_diff/turn_0", "timing_s/gen/tools"):  # fmt: skip
+        assert key in train[0], key
+    assert 0 < train[0]["action/ratio"] <= 1
+    # Token-in/token-out: the actor's view of vLLM's samples, turn by turn, after a resync too.
+    assert all(m["rollout/log_prob_diff_max"] < 0.1 for m in train)
+    generations = experiment_dir(tmp / "out", "agent") / "generations"
+    rows = [json.loads(line) for f in sorted(generations.iterdir()) for line in f.read_text().splitlines()]
+    assert rows and all("messages" in r and len(r["loss_mask"]) == len(r["response_ids"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def resumed(agent_assets, uninterrupted, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent_resumed")
+    (tmp / "reward.py").write_text(REWARD)
+    args = _command(tmp / "out", tmp, "data.val_files=", "trainer.val_before_train=false")
+    crashed = _run([sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), "2", *args[3:]])
+    assert crashed.returncode != 0, "the fault injection should have killed the run"
+    again = _run(args)
+    assert again.returncode == 0, tail(again)
+    return tmp, again.stdout + again.stderr
+
+
+def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(uninterrupted, resumed):
+    tmp, log = resumed
+    assert "resumed from" in log
+    expected = [m for m in read_metrics(uninterrupted[0] / "out", "agent") if m["step"] > 0 and "actor/pg_loss" in m]
+    got = [m for m in read_metrics(tmp / "out", "agent") if "actor/pg_loss" in m]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        for key in COMPARED:
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
