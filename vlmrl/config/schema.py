@@ -477,6 +477,8 @@ class TrainerConfig:
     """Steps that train only the critic before the actor starts (GAE)."""
     warn_unauthenticated_ray: bool = True
     """vlmrl addition: warn when RAY_ADDRESS is a cluster without Ray's token authentication; false for a cluster firewalled to you alone."""
+    step_timeout_s: float | None = None
+    """vlmrl addition: fail the run when one of a step's worker calls (rollout, a pass, the update, the resync, a save) takes longer than this many seconds; null waits forever."""
     max_consecutive_skipped_steps: int = 3
     """vlmrl addition: fail the run after this many steps in a row whose every actor (or critic) optimizer step was skipped for a non-finite gradient; -1 never stops."""
     output_dir: str = "outputs"

@@ -108,6 +108,11 @@ def range_problems(config: Config) -> list[str]:
             if not value > 0:
                 problems.append(f"{key}={value}: must be positive")
         problems.extend(optim_problems("worker.critic", critic.optim))
+    if trainer.step_timeout_s is not None and not trainer.step_timeout_s > 0:
+        problems.append(
+            f"trainer.step_timeout_s={trainer.step_timeout_s}: must be a positive number of seconds, or null to wait "
+            "forever"
+        )
     if not (trainer.max_consecutive_skipped_steps == -1 or trainer.max_consecutive_skipped_steps >= 1):
         problems.append(
             f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps}: must be at least 1, "

@@ -52,6 +52,25 @@ def _node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
+PLACEMENT_TIMEOUT_S = 600.0
+"""How long to wait for the cluster to place the workers' placement groups."""
+
+
+def _cluster_summary() -> str:
+    """Each alive node's CPUs and GPUs, total and free, as Ray sees them."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    free = ray.available_resources()
+    parts = [
+        f"{n.get('NodeManagerAddress')}: {n['Resources'].get('CPU', 0):g} CPU, {n['Resources'].get('GPU', 0):g} GPU"
+        for n in nodes
+    ]
+    return f"{len(nodes)} node(s) ({'; '.join(parts)}), free now {free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU"
+
+
+class WorkerTimeout(RuntimeError):
+    """A worker call ran past trainer.step_timeout_s."""
+
+
 class ResourcePool:
     """One placement group per node, each of ``per_node`` bundles (1 CPU, plus 1 GPU on GPU nodes)."""
 
@@ -65,7 +84,17 @@ class ResourcePool:
         self.groups: list[PlacementGroup] = [
             placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)
         ]
-        ray.get([g.ready() for g in self.groups], timeout=600)
+        try:
+            ray.get([g.ready() for g in self.groups], timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            for g in self.groups:  # a pending group would hold its resources' claim after the run has failed
+                remove_placement_group(g)
+            raise RuntimeError(
+                f"the cluster cannot place the workers: asked for {nnodes} node(s) with {per_node} x {bundle} each "
+                f"(trainer.nnodes x trainer.n_gpus_per_node, one worker per bundle, a node's bundles on one node), "
+                f"waited {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_cluster_summary()}. Lower trainer.nnodes or "
+                "trainer.n_gpus_per_node, or add nodes (ray status shows what each has)"
+            ) from None
 
     def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(self.groups[rank // self.per_node], rank % self.per_node)
@@ -78,7 +107,9 @@ class ResourcePool:
         and the network interfaces gloo/NCCL pick themselves (set
         GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the cluster's env to choose).
         """
-        if len(self.groups) == 1:
+        # The file store lives on this process's disk: only for workers on this process's own node (one
+        # node's worth of workers on a larger cluster may land on another node).
+        if len(self.groups) == 1 and self.nodes()[0] == ray.get_runtime_context().get_node_id():
             # A directory of this run's own (its experiment name in it), removed when the run ends.
             self.scratch = Path(tempfile.mkdtemp(prefix=f"vlmrl-rendezvous-{self.run_name}-"))
             return f"file://{self.scratch / 'store'}", {"GLOO_SOCKET_IFNAME": "lo"}
@@ -146,6 +177,7 @@ class WorkerGroup:
 
         self.config = config
         self.world_size = plan.world_size
+        self.call_timeout: float | None = config.trainer.step_timeout_s
         self.tensor_parallel_size = plan.tensor_parallel_size
         self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device, config.trainer.experiment_name)
         init_method, rendezvous_env = self.pool.rendezvous()
@@ -184,8 +216,23 @@ class WorkerGroup:
     # ----------------------------------------------------------------- the generic call
 
     def call(self, method: str, per_worker: list[tuple]) -> list:
-        """``method(*per_worker[rank])`` on every worker at once; their results in rank order."""
-        return ray.get([getattr(w, method).remote(*args) for w, args in zip(self.workers, per_worker, strict=True)])
+        """``method(*per_worker[rank])`` on every worker at once; their results in rank order.
+
+        With ``trainer.step_timeout_s`` a call that runs past it fails the run, naming the call, instead
+        of waiting forever on a hung collective or a wedged engine.
+        """
+        refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_worker, strict=True)]
+        timeout = getattr(self, "call_timeout", None)
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [rank for rank, ref in enumerate(refs) if ref not in done]
+            raise WorkerTimeout(
+                f"the workers' {method} call ran past trainer.step_timeout_s={timeout:g} s (ranks still running: "
+                f"{late}); a hung collective or engine looks like this. Raise trainer.step_timeout_s if steps are "
+                "really this long"
+            ) from None
 
     def call_all(self, method: str, *args) -> list:
         """The same call on every worker (a collective when the method is one)."""
