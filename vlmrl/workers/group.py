@@ -45,7 +45,13 @@ if TYPE_CHECKING:
 
 
 def _node_address() -> tuple[str, int]:
-    """This node's IP and a port free on it now (for the process-group store)."""
+    """This node's IP and a port free on it now (for the process-group store).
+
+    The port is found by binding and closing, so another process may take it before rank 0's TCP store
+    binds it (a known race, not closed here): rank 0 then fails at start-up with "address already in use"
+    and the run can simply be started again. Ray's own port range (--min-worker-port / --max-worker-port)
+    keeps Ray's workers off the ephemeral ports this draws from.
+    """
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
