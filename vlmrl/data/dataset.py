@@ -18,6 +18,7 @@ out, counted and logged. Without it rows are checked when read.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import re
@@ -69,6 +70,22 @@ def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def answer_text(answer: Any) -> str:
+    """The ground truth as the reward function gets it: text.
+
+    A list answer (a parquet or JSON list column) of one item is that item; of several, a JSON list, which
+    a reward function can parse (``str`` gave Python's repr, ``['a', 'b']``, which nothing parses reliably).
+    """
+    if hasattr(answer, "tolist") and not isinstance(answer, (str, bytes)):
+        answer = answer.tolist()  # numpy arrays and scalars from parquet
+    if isinstance(answer, (list, tuple)):
+        items = [a.tolist() if hasattr(a, "tolist") else a for a in answer]
+        return answer_text(items[0]) if len(items) == 1 else json.dumps(items, ensure_ascii=False)
+    if isinstance(answer, dict):
+        return json.dumps(answer, ensure_ascii=False)
+    return str(answer)
 
 
 # The dataset being checked, for the forked processes of the start-up check.
@@ -307,7 +324,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             input_ids=input_ids,
             images=images,
             mm_inputs=mm_inputs,
-            ground_truth=str(answer),
+            ground_truth=answer_text(answer),
             data_source=str(row.get("data_source") or "unknown"),
             prompt_text=text,
             extra={k: v for k, v in row.items() if k not in media_keys},
@@ -357,7 +374,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             input_ids=input_ids,
             images=[],
             mm_inputs={},
-            ground_truth=str(answer),
+            ground_truth=answer_text(answer),
             data_source=str(row.get("data_source") or "unknown"),
             prompt_text=text,
             extra={k: v for k, v in row.items() if k not in media_keys},
