@@ -270,7 +270,7 @@ def test_an_answer_without_a_call_ends_the_trajectory_and_done_ends_it_too(tiny_
     a, b = trajectories
     assert (a.stop_reason, a.num_turns, a.response_text, a.turn_rewards) == ("done", 2, "It is 2.", [0.0, 0.0])
     assert (b.stop_reason, b.num_turns, b.turn_rewards) == ("done", 1, [1.0])
-    assert a.messages[0]["role"] == "assistant" and "<tool_response>" in a.messages[1]["content"][0]["text"]
+    assert a.messages[0]["role"] == "assistant" and a.messages[1]["content"] == "<tool_response>\n2\n</tool_response>"
 
 
 def test_the_budget_is_checked_before_an_observation_and_its_images_are_added(tiny_assets):
@@ -342,3 +342,39 @@ def test_tool_latency_is_hidden_by_concurrency(tiny_assets):
         trajectories, timings = loop.run(prompts, [0, 1], _sampling(n=8))
         assert len(trajectories) == 16 and all(len(t.tool_calls) == 3 for t in trajectories)
         assert timings["tools"] < 3 * 0.1 * 4, (name, timings)  # serial would be 3 x 16 x 0.1 = 4.8 s
+
+
+def test_a_text_model_assembles_a_conversation_the_same_way():
+    """A tokenizer alone as the processor (tiny Qwen3 text LM): text tool results, the same ids as a full render."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vlmrl.testing.assets import ensure_text_assets
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_text_assets().qwen3_model_dir)
+    tools = load_tools([f"{TOOLS}:calculator"])
+    schemas = [t.schema() for t in tools]
+    system = {"role": "system", "content": tools_system_message(schemas)}
+    question = {"role": "user", "content": "What is 2*(3+4)?"}
+    text = tokenizer.apply_chat_template([system, question], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = PromptSample(index=0, raw_prompt_ids=ids, input_ids=ids, images=[], mm_inputs={}, ground_truth="14",
+                          data_source="math", prompt_text=text, position_ids=torch.arange(len(ids)).expand(3, len(ids)))  # fmt: skip
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*(3+4)"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, lambda r, turn: [call, "It is 14."][turn])
+    renderer = ConversationRenderer(tokenizer, chat_template=None, tools=schemas, template_has_tools=False,
+                                    resize=lambda image: image, model_input_keys=MODEL_INPUT_KEYS)  # fmt: skip
+    loop = AgentLoop(
+        engine, renderer,
+        Limits(max_turns=3, max_response_length=400, max_tokens_per_turn=None, max_tool_response_length=64,
+               max_images=0, tool_timeout=5.0, max_parallel_calls=2),
+        positions=lambda ids, _mm: torch.arange(len(ids)).expand(3, len(ids)).clone(), pad_ids=(-1, -1),
+        runner=ToolRunner(tools, 5.0), parser=agent_tools.parse_qwen,
+    )  # fmt: skip
+    (t,), _ = loop.run([prompt], [0], _sampling(n=1))
+    assert (t.stop_reason, t.num_turns, t.response_text) == ("done", 2, "It is 14.")
+    full = [system, question, {"role": "assistant", "content": call},
+            {"role": "user", "content": "<tool_response>\n14\n</tool_response>"}, {"role": "assistant", "content": "It is 14."}]  # fmt: skip
+    expected = tokenizer.encode(tokenizer.apply_chat_template(full, tokenize=False), add_special_tokens=False)
+    assert t.token_ids == expected[: len(t.token_ids)] and tokenizer.decode(expected[len(t.token_ids) :]) == "\n"
+    assert not t.render_mismatch and t.mm_inputs == {}

@@ -96,9 +96,11 @@ class ConversationRenderer:
         """The messages answering one turn's calls: (text, images) per call, in call order."""
         if self.template_has_tools:
             return [{"role": "tool", "content": _content(text, images)} for text, images in results]
+        if not any(images for _, images in results):  # text templates render a string content only
+            return [{"role": "user", "content": "\n".join(f"<tool_response>\n{text}\n</tool_response>" for text, _ in results)}]
         content: list[dict] = []
-        for text, images in results:
-            content.append({"type": "text", "text": "<tool_response>\n"})
+        for k, (text, images) in enumerate(results):
+            content.append({"type": "text", "text": ("\n" if k else "") + "<tool_response>\n"})
             content += [{"type": "image"} for _ in images]
             content.append({"type": "text", "text": f"{text}\n</tool_response>"})
         return [{"role": "user", "content": content}]
@@ -129,7 +131,10 @@ class ConversationRenderer:
         return full[len(base) :]
 
 
-def _content(text: str, images: list[Any]) -> list[dict]:
+def _content(text: str, images: list[Any]) -> str | list[dict]:
+    """A tool message's content: plain text without images (text templates render a string), else items."""
+    if not images:
+        return text
     return [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
 
 

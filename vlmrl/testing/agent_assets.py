@@ -10,9 +10,9 @@ tool there cannot help.
 
 The starting model is the tiny random VLM tuned for format only, as the
 single-turn quickstart's is (``vlmrl.testing.format_tune``): on the prompt it
-either calls ``reveal`` or names a colour, half the time each, and after a
-tool response it names a colour, every colour drawn at random and
-independently of any image. RL has to find that calling the tool and looking
+mostly calls ``reveal`` and sometimes names a colour at once, and after a tool
+response it names a colour, every colour drawn at random and independently of
+any image. RL has to find that calling the tool and looking
 at its picture pays.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,12 @@ QUESTION = "<image>What colour is the shape? The picture is covered; reveal show
 TOOL_CALL = '<tool_call>{"name": "reveal"}</tool_call>'
 TOOL_TEXT = "the picture"
 N_TRAIN, N_VAL = 1024, 128
-STEPS, BATCH_SIZE, LR = 40, 16, 1e-3
-CALL_SHARE = 0.5
-"""How often the tuned model calls the tool on the prompt, before RL."""
+STEPS, BATCH_SIZE, LR = 120, 16, 1e-3
+CALL_SHARE = 0.8
+"""The share of tuning examples that are tool turns: a call on the prompt, or a colour after the tool's answer,
+half each; the rest are colours given at once. The tuned model then calls reveal on most prompts (a tiny
+model's first RL steps need most samples on the path that can learn), and still answers at once now and then,
+the choice RL has to settle."""
 
 
 @dataclass(frozen=True)
@@ -173,12 +177,14 @@ def agent_layout(root: Path) -> AgentAssets:
 
 def agent_version() -> str:
     """Hash of everything that decides the bytes of the agent assets (the tiny model's included)."""
-    from vlmrl.rollout import observations
-    from vlmrl.testing import assets
     from vlmrl.data import chat
+    from vlmrl.testing import assets
 
+    # The observation the tuning shows after a call comes from the agent loop's renderer, which
+    # tests/test_agent_render.py holds to the chat template's own rendering; so the template (in the tiny
+    # model's assets) and chat.py's system message decide it, not the renderer's source.
     return assets._version(
-        (synthetic, chat, observations, __import__(__name__, fromlist=["_"])),
+        (synthetic, chat, sys.modules[__name__]),
         f"{assets.assets_version()}:{N_TRAIN}:{N_VAL}:{STEPS}:{BATCH_SIZE}:{LR}:{CALL_SHARE}",
     )
 
