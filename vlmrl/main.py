@@ -110,7 +110,8 @@ def _run(config, plan, hooks) -> int:
             needed = (
                 plan.world_size + 2 * config.worker.reward.num_cpus
             )  # training and validation reward actors
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **options)
+            # address="local": a cluster of its own even when another one on this machine (ray start) is found.
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **options)
     print(f"vlmrl: {plan.experiment_dir} (engine logs: {log_path})", flush=True)
     # Three threads: run, request_stop and take_console can each arrive while the others wait.
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=3).remote()
