@@ -54,7 +54,7 @@ class OptimizerStrategy(enum.StrEnum):
     adamw = "adamw"
     """torch.optim.AdamW with states in the parameters' dtype."""
     adamw_bf16 = "adamw_bf16"
-    """AdamW with bfloat16 states (EasyR1); not supported yet."""
+    """AdamW with both moments in bfloat16 and Kahan-compensated bfloat16 weights (EasyR1; vlmrl.train.optimizers)."""
 
 
 class LRSchedulerType(enum.StrEnum):

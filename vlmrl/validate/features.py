@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator
-from vlmrl.config import AlgorithmConfig, Config, Device, OptimizerStrategy
+from vlmrl.config import AlgorithmConfig, Config, Device
 from vlmrl.plan import Cluster, device, uses_critic, uses_reference, weights_dtype, world_size
 
 __all__ = [
@@ -148,6 +148,26 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             f"worker.rollout.tensor_parallel_size={tp} does not divide trainer.n_gpus_per_node="
             f"{trainer.n_gpus_per_node}: an engine's {where} must be on one node; pick a divisor of n_gpus_per_node"
         )
+    mini = config.data.mini_rollout_batch_size
+    engines = world_size(config) // tp if tp >= 1 and world_size(config) % tp == 0 else None
+    if mini is not None and mini >= 1:
+        if config.data.rollout_batch_size % mini:
+            problems.append(
+                f"data.mini_rollout_batch_size={mini} does not divide data.rollout_batch_size="
+                f"{config.data.rollout_batch_size}: a step is generated in calls of mini_rollout_batch_size prompts; "
+                "pick a divisor, or null to generate the step at once"
+            )
+        elif engines and mini % engines:
+            problems.append(
+                f"data.mini_rollout_batch_size={mini} does not split over the {engines} vLLM engine(s) (workers / "
+                "worker.rollout.tensor_parallel_size): each call gives every engine the same number of prompts; "
+                f"make it a multiple of {engines}"
+            )
+    if not config.worker.hybrid_engine:
+        problems.append(
+            "worker.hybrid_engine=false: vlmrl always runs the actor and its vLLM engine in the same worker "
+            "(the weights move in process); set worker.hybrid_engine=true"
+        )
     if tp > 1 and rollout.multi_turn.enable:
         problems.append(
             f"worker.rollout.tensor_parallel_size={tp} with worker.rollout.multi_turn.enable=true: the agent loop "
@@ -184,10 +204,6 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
          "use one of: " + ", ".join(e.value for e in ADVANTAGE_ESTIMATORS)),
         (uses_reference(config) and algo.kl_penalty is KLEstimator.full, "algorithm.kl_penalty=full",
          "the actor keeps only the sampled tokens' log-probs; use low_var_kl, kl, mse or abs"),
-        (config.data.mini_rollout_batch_size not in (None, config.data.rollout_batch_size),
-         f"data.mini_rollout_batch_size={config.data.mini_rollout_batch_size}",
-         "unset it (null) to generate each step at once"),
-        (rollout.limit_images > 0, f"worker.rollout.limit_images={rollout.limit_images}", "set worker.rollout.limit_images=0"),
         (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
          "set worker.reward.skip_special_tokens=true"),
     ]  # fmt: skip
@@ -209,11 +225,8 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
                 # The actor's LoRA is implemented (lora_problems); the critic's value head is not wired for it.
                 (section != "worker.actor" and model.lora.rank > 0, f"{section}.model.lora.rank={model.lora.rank} (LoRA)",
                  f"set {section}.model.lora.rank=0 (LoRA trains the actor only)"),
-                (bool(model.override_config), f"{section}.model.override_config", f"remove {section}.model.override_config"),
                 (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
                  f"set {section}.ulysses_size=1"),
-                (optim.strategy is not OptimizerStrategy.adamw, f"{section}.optim.strategy={optim.strategy.value}",
-                 f"set {section}.optim.strategy=adamw"),
             ]  # fmt: skip
     return [
         f"{what}: not supported by vlmrl yet; {fix}"

@@ -8,6 +8,7 @@ These checks look at the disk and at what is importable; they are still quick
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from vlmrl.config import Config, LoggerName, RewardConfig, TrainerConfig
@@ -79,6 +80,20 @@ def model_problems(config: Config) -> list[str]:
             kinds[key] = model_kind(path)
         except ModelKindError as e:
             problems.append(f"{key}: {e}")
+    sections = [("worker.actor", actor)] + ([("worker.critic", config.worker.critic.model)] if uses_critic(config) else [])
+    for section, model in sections:
+        path = model.model_path or actor.model_path
+        config_file = Path(path) / "config.json" if path else None
+        if not model.override_config or config_file is None or not config_file.is_file():
+            continue
+        model_config = json.loads(config_file.read_text())
+        entries = set(model_config) | set(model_config.get("text_config") or {})
+        for key in model.override_config:
+            if key not in entries:
+                problems.append(
+                    f"{section}.model.override_config.{key}: {config_file} has no entry {key!r} (nor its "
+                    "text_config); override an entry the model's config has"
+                )
     actor_kind = kinds.get("worker.actor.model.model_path")
     if actor_kind == "text" and actor.freeze_vision_tower:
         problems.append(

@@ -62,6 +62,9 @@ class RolloutWorker:
             allowed_tokens=allowed_tokens,
             free_cache_engine=rollout_cfg.free_cache_engine,
             tensor_parallel_size=tp,
+            tokenizer_path=config.worker.actor.model.tokenizer_path,
+            limit_images=rollout_cfg.limit_images,
+            hf_overrides=config.worker.actor.model.override_config,
         )
         vocab = tokenizer.get_vocab()
         self.pad_ids = tuple(vocab[t] for t in ("<|image_pad|>", "<|video_pad|>") if t in vocab)

@@ -32,6 +32,7 @@ from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
 from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
+from vlmrl.train.optimizers import build_optimizer
 from vlmrl.train.micro_batches import MicroBatching, TokenCount
 from vlmrl.workers.store import PassInput, TrajectoryStore
 
@@ -47,9 +48,10 @@ def _load_sharded(
     trust_remote_code: bool,
     options: ShardOptions,
     lora: LoraConfig | None = None,
+    override_config: dict | None = None,
 ) -> torch.nn.Module:
     """Load a HF VLM or text causal LM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
-    model = load_pretrained(model_path, dtype, trust_remote_code)
+    model = load_pretrained(model_path, dtype, trust_remote_code, override_config)
     if lora is not None:
         # Before sharding, so each adapter lands in its layer's FSDP unit and is sharded like the rest.
         lora_adapters.add_lora(model, lora)
@@ -57,12 +59,8 @@ def _load_sharded(
 
 
 def adamw(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        weight_decay=optim.weight_decay,
-    )
+    """The optimizer of ``optim.strategy`` (AdamW, or AdamW with bfloat16 states) over the trained parameters."""
+    return build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
 
 
 def process_group_backend(device: str) -> str:
@@ -119,7 +117,8 @@ class TrainerWorker:
         trust = actor_cfg.model.trust_remote_code
         self.lora = actor_cfg.model.lora if actor_cfg.model.lora.rank > 0 else None
         actor_sharding = ShardOptions.from_config(actor_cfg.fsdp, device)
-        self.actor = _load_sharded(model_path, dtype, mesh, trust, actor_sharding, self.lora)
+        overrides = dict(actor_cfg.model.override_config)
+        self.actor = _load_sharded(model_path, dtype, mesh, trust, actor_sharding, self.lora, overrides)
         if actor_cfg.model.freeze_vision_tower:
             for p in self.actor.model.visual.parameters():
                 p.requires_grad_(False)
@@ -129,13 +128,14 @@ class TrainerWorker:
         self.ref = None
         if plan.use_reference and self.lora is None:  # under LoRA the reference is the actor, adapters off
             ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
-            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding)
+            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding, None, overrides)
             self.ref.eval().requires_grad_(False)
         self.critic = self.critic_optimizer = None
         if plan.use_critic:
             critic_cfg = config.worker.critic
             value_model = ValueModel.from_pretrained(
-                plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code
+                plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code,
+                dict(critic_cfg.model.override_config),
             )
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
             self.critic = shard(value_model, value_model.no_split_modules, mesh, critic_sharding)
