@@ -117,7 +117,12 @@ class Video:
 
 
 def decode_video_file(path: Path, fps: float) -> list[Image.Image]:
-    """The frames of a video file sampled at ``fps`` (at least two), as PIL images."""
+    """The frames of a video file sampled at ``fps`` (at least two), as PIL images.
+
+    Only the sampled frames become images: the frames are counted from the packets first (no decoding),
+    the picks chosen, and the decode keeps just those, so a long video costs the memory of the frames
+    it contributes, not of all its frames.
+    """
     import av
 
     if not path.is_file():
@@ -126,15 +131,31 @@ def decode_video_file(path: Path, fps: float) -> list[Image.Image]:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or fps)
-            frames = [frame.to_image() for frame in container.decode(stream)]
+            total = sum(1 for packet in container.demux(stream) if packet.size)
+        if not total:
+            raise MediaError(f"video {str(path)!r} has no frames")
+        wanted = min(max(2, round(total / rate * fps)), total)
+        picks = np.linspace(0, total - 1, wanted).round().astype(int).tolist()
+        frames: list[Image.Image] = []
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            index, last = 0, None
+            for frame in container.decode(stream):
+                last = frame
+                while len(frames) < len(picks) and picks[len(frames)] == index:
+                    frames.append(frame.to_image())
+                if len(frames) == len(picks):
+                    break
+                index += 1
+    except MediaError:
+        raise
     except (av.FFmpegError, IndexError, ValueError, OSError) as e:
         raise MediaError(f"unreadable video {str(path)!r} ({type(e).__name__}: {e})") from e
-    if not frames:
+    if last is None:
         raise MediaError(f"video {str(path)!r} has no frames")
-    wanted = max(2, round(len(frames) / rate * fps))
-    wanted = min(wanted, len(frames))
-    picks = np.linspace(0, len(frames) - 1, wanted).round().astype(int)
-    return [frames[i] for i in picks]
+    while len(frames) < len(picks):  # fewer frames decoded than packets counted: the last one stands in
+        frames.append(last.to_image())
+    return frames
 
 
 def load_video(
