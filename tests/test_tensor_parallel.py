@@ -1,14 +1,18 @@
 """vLLM tensor parallelism over the workers (worker.rollout.tensor_parallel_size): the rollout's split of the
 prompts per tensor-parallel group, and the seeds and plan that make a group's workers one engine.
 
-The real run (2 CPU workers sharing one vLLM engine, TP=2, through vLLM's
-external launcher) is tests/test_easyr1_default_config.py's 2-step training run.
+A real run: 2 CPU workers share one vLLM engine (TP=2, vLLM's external
+launcher) and a large learning rate moves the weights each step; vLLM's
+log-probs of what it sampled equal the actor's only if the resync gave each
+TP rank its shard of the new weights. tests/test_easyr1_default_config.py
+trains EasyR1's default config the same way.
 """
 
 from __future__ import annotations
 
 import pytest
 from helpers.configs import CPU, GPUS, QUICKSTART
+from helpers.runs import SMALL, read_metrics, run_main, tail
 
 from vlmrl.plan import resolve
 from vlmrl.validate import load_config
@@ -51,3 +55,27 @@ def test_the_plan_counts_one_engine_per_group_and_says_so():
     assert "a vLLM engine shard (4 engine(s), each over 2 workers)" in describe(plan, config)
     one = resolve(load_config([QUICKSTART], CPU), CPU)
     assert (one.tensor_parallel_size, one.rollout_groups) == (1, 1)
+
+
+@pytest.fixture(scope="module")
+def tp_run(quickstart_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "outputs"
+    proc = run_main(
+        out, *SMALL, "trainer.max_steps=3", "trainer.logger=[console,file]", "trainer.n_gpus_per_node=2",
+        "worker.rollout.tensor_parallel_size=2", "worker.actor.micro_batch_size_per_device_for_update=2",
+        "worker.rollout.calculate_log_probs=true", "worker.actor.optim.lr=1e-3", "worker.actor.entropy_coeff=0.01",
+        experiment="tp", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    return out, proc.stdout
+
+
+def test_two_workers_share_one_engine_and_each_resync_reaches_both_shards(tp_run):
+    out, stdout = tp_run
+    assert "a vLLM engine shard (1 engine(s), each over 2 workers)" in stdout
+    steps = [m for m in read_metrics(out, "tp") if "actor/pg_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        # fp32 everywhere: a rank left with its old shard would put the engine's log-probs far from the actor's.
+        assert m["rollout/log_prob_diff_max"] < 1e-3, m
+        assert m["actor/grad_norm"] > 0

@@ -195,6 +195,10 @@ def text_e2e(text_assets, tmp_path_factory):
         "worker.actor.padding_free=true", "worker.critic.padding_free=true",
         "worker.actor.model.lora.rank=8", "worker.actor.optim.lr=1e-2", "worker.actor.entropy_coeff=0.01",
         "worker.rollout.calculate_log_probs=true",
+        # EasyR1 keys implemented in issue 21, exercised here too: bf16 optimizer states for the actor, the step
+        # generated in 2 calls of 2 prompts, and Ray's timeline written at the end.
+        "worker.actor.optim.strategy=adamw_bf16", "data.mini_rollout_batch_size=2",
+        f"trainer.ray_timeline={out.parent / 'timeline.json'}",
         experiment="text",
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
@@ -228,6 +232,16 @@ def test_a_text_model_trains_with_a_critic_lora_and_packed_passes(text_e2e):
     # only if the resync handed the text model's new (merged LoRA) weights to the engine.
     assert steps[1]["rollout/log_prob_diff_max"] < 1e-3, steps[1]
     assert any(k.startswith("val/") for k in metrics[0]), metrics[0]  # validation before training (step 0)
+    assert (out.parent / "timeline.json").is_file()  # trainer.ray_timeline
+
+
+def test_the_step_was_generated_in_calls_of_mini_rollout_batch_size(text_e2e):
+    out, _, _, stdout = text_e2e
+    assert "generated 2 prompts at a time" in stdout  # the plan: 4 prompts per step, 2 per call
+    for m in read_metrics(out, "text"):
+        if "actor/pg_loss" in m:
+            # Both calls' rows reach the update: 4 prompts x n=2 = 8 samples in micro-batches of 4.
+            assert m["actor/micro_batches"] == 2, m
 
 
 def test_the_text_runs_reward_function_saw_the_math_prompt_and_text_responses(text_e2e):
