@@ -10,8 +10,9 @@ validation, ``key=null`` / ``key={}`` replacing a YAML mapping, the usage line,
 from __future__ import annotations
 
 import io
-import os
 import logging
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -260,3 +261,20 @@ def test_process_setup_sends_a_process_output_to_the_log_and_vlmrl_warnings_to_t
         # Only vlmrl's warning reaches the stream Ray forwards to the driver.
         assert proc.stdout == ""
         assert proc.stderr == "vlmrl WARNING: reward: 1 sample(s) of 2 scored 0\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_view_on_a_terminal_draws_a_bar_with_its_eta_below_the_lines(capsys):
+    terminal = _Terminal()
+    view = ConsoleView(verbose=False, stream=terminal)
+    view.show([Progress(0, 4, 0)], Progress(0, 4, 0))
+    for step in range(1, 5):
+        view.show([f"step {step} | reward 0.5"], Progress(step, 4, 0))
+    view.close()
+    assert capsys.readouterr().out.splitlines() == [f"step {s} | reward 0.5" for s in range(1, 5)]
+    assert re.search(r"training: 100%.*4/4 \[\d\d:\d\d<00:00", terminal.getvalue())  # the bar's last state, with its ETA
+    assert ConsoleView(verbose=True, stream=_Terminal()).draw_bar is False  # verbose: Ray's lines would tear it
