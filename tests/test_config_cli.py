@@ -90,14 +90,10 @@ def test_an_easyr1_yaml_parses_unchanged():
     )
 
 
-def test_an_easyr1_yaml_is_refused_only_for_what_vlmrl_cannot_do_yet():
-    # EasyR1's example settings that vlmrl does not honour, each named with its fix; nothing else.
-    todo = "not supported by vlmrl yet"
-    assert sorted(problems_of(EASYR1, cluster=GPUS)) == sorted(
-        [
-            f"worker.rollout.tensor_parallel_size=2: {todo}; set worker.rollout.tensor_parallel_size=1 (one engine per GPU)",
-        ]
-    )
+def test_an_easyr1_yaml_validates_as_it_is_on_a_gpu_node():
+    # Tensor parallelism (its tensor_parallel_size=2) is honoured now: nothing in the file is refused.
+    config = load_config([EASYR1], GPUS)
+    assert config.worker.rollout.tensor_parallel_size == 2
 
 
 def test_an_easyr1_yaml_with_those_settings_changed_validates_and_plans(tiny_assets):
