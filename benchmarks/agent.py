@@ -29,8 +29,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 GOALS = {"latency_ratio": 1.15, "loop_overhead": 1.15}
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 

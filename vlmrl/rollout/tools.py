@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import re
 import time
 import types
@@ -284,6 +283,3 @@ class ToolRunner:
 def _failed(name: str, arguments: Any, status: ToolStatus, message: str) -> CallOutcome:
     return CallOutcome(name, arguments, status, ToolResult(text=f"Error: {message}"))
 
-
-def arguments_text(arguments: Any) -> str:
-    return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
