@@ -75,6 +75,12 @@ class ScriptedEngine(Engine):
         pass
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_assets):
+    """The tiny Qwen2.5-VL's processor and config, read once for the module."""
+    return AutoProcessor.from_pretrained(tiny_assets.model_dir), AutoConfig.from_pretrained(tiny_assets.model_dir)
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def family(request, tmp_path_factory):
     path = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
@@ -179,9 +185,8 @@ def test_a_template_that_is_not_append_only_is_reported_as_a_mismatch(tiny_asset
     assert not plain.run(prompts, [0], _sampling(n=1))[0][0].render_mismatch
 
 
-def test_masks_log_probs_versions_turn_ends_and_rewards(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_masks_log_probs_versions_turn_ends_and_rewards(tiny_assets, tiny):
+    processor, config = tiny
     tools = load_tools([f"{TOOLS}:reveal"])
     prompts = _prompts(tiny_assets, processor, config, tools)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: TURN_TEXTS[turn])
@@ -218,9 +223,8 @@ def test_masks_log_probs_versions_turn_ends_and_rewards(tiny_assets):
     assert set(timings) >= {"engine", "tools"}
 
 
-def test_bad_tool_calls_become_error_observations_and_never_raise(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_bad_tool_calls_become_error_observations_and_never_raise(tiny_assets, tiny):
+    processor, config = tiny
     names = ["calculator", "broken", "hang", "wrong_result"]
     tools = load_tools([f"{TOOLS}:{n}" for n in names])
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
@@ -244,9 +248,8 @@ def test_bad_tool_calls_become_error_observations_and_never_raise(tiny_assets):
     assert t.stop_reason == "max_turns"
 
 
-def test_a_result_of_the_wrong_type_is_an_error(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_a_result_of_the_wrong_type_is_an_error(tiny_assets, tiny):
+    processor, config = tiny
     tools = load_tools([f"{TOOLS}:wrong_result"])
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: '<tool_call>{"name": "wrong_result", "arguments": {}}</tool_call>')
@@ -255,9 +258,8 @@ def test_a_result_of_the_wrong_type_is_an_error(tiny_assets):
     assert [c["status"] for c in t.tool_calls] == ["error", "error"]
 
 
-def test_an_answer_without_a_call_ends_the_trajectory_and_done_ends_it_too(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_an_answer_without_a_call_ends_the_trajectory_and_done_ends_it_too(tiny_assets, tiny):
+    processor, config = tiny
     tools = load_tools([f"{TOOLS}:submit", f"{TOOLS}:calculator"])
     prompts = _prompts(tiny_assets, processor, config, tools, n=2)
     scripts = {
@@ -273,9 +275,8 @@ def test_an_answer_without_a_call_ends_the_trajectory_and_done_ends_it_too(tiny_
     assert a.messages[0]["role"] == "assistant" and a.messages[1]["content"] == "<tool_response>\n2\n</tool_response>"
 
 
-def test_the_budget_is_checked_before_an_observation_and_its_images_are_added(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_the_budget_is_checked_before_an_observation_and_its_images_are_added(tiny_assets, tiny):
+    processor, config = tiny
     tools = load_tools([f"{TOOLS}:reveal"])
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: TURN_TEXTS[turn])
@@ -295,9 +296,8 @@ def test_the_budget_is_checked_before_an_observation_and_its_images_are_added(ti
     assert t.stop_reason == "length" and len(t.images) == 1 and not t.has_own_media
 
 
-def test_images_past_max_images_are_left_out_and_the_model_is_told(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_images_past_max_images_are_left_out_and_the_model_is_told(tiny_assets, tiny):
+    processor, config = tiny
     tools = load_tools([f"{TOOLS}:reveal"])
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: "look")
@@ -308,9 +308,8 @@ def test_images_past_max_images_are_left_out_and_the_model_is_told(tiny_assets):
     assert "1 image(s) left out" in context
 
 
-def test_an_environment_shows_its_reset_observation_first_and_rewards_its_steps(tiny_assets):
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+def test_an_environment_shows_its_reset_observation_first_and_rewards_its_steps(tiny_assets, tiny):
+    processor, config = tiny
     prompts = _prompts(tiny_assets, processor, config, [], n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: f"move {turn}")
     loop = _loop(processor, config, engine, [], parser=None, env_class=agent_tools.CountingEnv, max_turns=5)
@@ -330,10 +329,9 @@ def test_an_environment_shows_its_reset_observation_first_and_rewards_its_steps(
     assert "the simulator crashed" in broken.tool_calls[-1]["error"]
 
 
-def test_tool_latency_is_hidden_by_concurrency(tiny_assets):
+def test_tool_latency_is_hidden_by_concurrency(tiny_assets, tiny):
     """16 trajectories each calling a 0.1 s tool per turn: one turn's tools take about 0.1 s, not 1.6 s."""
-    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
-    config = AutoConfig.from_pretrained(tiny_assets.model_dir)
+    processor, config = tiny
     prompts = _prompts(tiny_assets, processor, config, [], n=2)
     for name, parser in (("slow", agent_tools.call_slow), ("sleepy", agent_tools.call_sleepy)):
         tools = load_tools([f"{TOOLS}:{name}"])

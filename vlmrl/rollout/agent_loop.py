@@ -91,8 +91,6 @@ class _Conversation:
     env: Any = None
     last_text: str = ""
     stop_reason: str = ""
-    observation_tokens: int = 0
-    dropped_images: int = 0
 
     @property
     def sample_id(self) -> str:
@@ -125,7 +123,6 @@ class _Conversation:
         self.mask += [0] * len(token_ids)
         self.log_probs += [0.0] * len(token_ids)
         self.versions += [-1] * len(token_ids)
-        self.observation_tokens += len(token_ids)
 
     def add_observation(self, obs: Observation, messages: list[dict]) -> None:
         self.add_context(obs.ids, obs.raw_ids)
@@ -268,7 +265,6 @@ class AgentLoop:
         room = self.limits.max_images - len(c.new_images)
         if len(images) > room:
             dropped = len(images) - max(room, 0)
-            c.dropped_images += dropped
             images = images[: max(room, 0)]
             messages = _drop_image_items(messages, len(images))
             messages.append(
