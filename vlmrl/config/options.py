@@ -20,7 +20,10 @@ __all__ = [
     "ModelKind",
     "OldLogProbPass",
     "OptimizerStrategy",
+    "JudgeParse",
     "RewardManagerType",
+    "RewardModelKind",
+    "RewardModelPlacement",
     "RolloutName",
     "Strategy",
     "TimeoutPolicy",
@@ -116,6 +119,37 @@ class RewardManagerType(str, enum.Enum):
     """``compute_score(reward_input: dict, **kwargs) -> dict``, once per response."""
     batch = "batch"
     """``compute_score(reward_inputs: list[dict], **kwargs) -> list[dict]``, once per step."""
+
+
+class RewardModelKind(enum.StrEnum):
+    """What ``worker.reward.reward_model`` is."""
+
+    judge = "judge"
+    """A generative VLM (or LLM) served by vLLM that reads the prompt's images, the question and the response and
+    writes a verdict (LLM-as-a-judge)."""
+    score = "score"
+    """A sequence-classification model (``*ForSequenceClassification``, one label) run by transformers: one scalar
+    per conversation, as verl's reward-model worker gives."""
+
+
+class RewardModelPlacement(enum.StrEnum):
+    """Where the reward model runs."""
+
+    colocated = "colocated"
+    """In every training worker's process, on its device, taking turns with the policy as the reference model does;
+    a step's requests are shared out over the workers."""
+    separate = "separate"
+    """In its own Ray actor with its own devices (``num_gpus``, or ``num_cpus`` on CPU), so judging overlaps the
+    policy's log-prob passes."""
+
+
+class JudgeParse(enum.StrEnum):
+    """How a judge's text becomes a score."""
+
+    yes_no = "yes_no"
+    """The first word, lower-cased and stripped of punctuation: yes scores 1, no scores 0; anything else is invalid."""
+    number = "number"
+    """The first number in the text, divided by ``max_score``; none, or one outside [0, max_score], is invalid."""
 
 
 class TimeoutPolicy(str, enum.Enum):

@@ -32,11 +32,14 @@ from vlmrl.config.options import (
     BadSamplePolicy,
     Device,
     DType,
+    JudgeParse,
     LoggerName,
     LRSchedulerType,
     OldLogProbPass,
     OptimizerStrategy,
     RewardManagerType,
+    RewardModelKind,
+    RewardModelPlacement,
     RolloutName,
     Strategy,
     TimeoutPolicy,
@@ -423,6 +426,53 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """vlmrl addition: a judge VLM or a scoring reward model that the reward function can call (its
+    ``reward_model`` parameter), or whose score is the reward when no reward function is set."""
+
+    model_path: str = ""
+    """A local model directory; empty for no reward model."""
+    kind: RewardModelKind = RewardModelKind.judge
+    """judge (generative, served by vLLM) or score (a sequence-classification model run by transformers)."""
+    placement: RewardModelPlacement = RewardModelPlacement.separate
+    """separate (its own Ray actor and devices) or colocated (inside each training worker, taking turns)."""
+    dtype: DType = DType.bfloat16
+    """The reward model's weights and compute dtype."""
+    num_gpus: float = 1.0
+    """GPUs of the separate actor on a GPU machine (ignored on CPU and when colocated)."""
+    num_cpus: int = 1
+    """CPUs of the separate actor."""
+    micro_batch_size: int = 8
+    """Conversations per forward pass of a score model."""
+    max_length: int = 4096
+    """Tokens of one judge prompt plus its verdict, or of one scored conversation; a longer one is an error naming its sample."""
+    prompt_template: str = ""
+    """judge: a jinja template (a path to a .jinja file, or the text itself) that renders the judge's question from
+    {{ question }}, {{ response }}, {{ ground_truth }} and the row's fields; the prompt's images come before it.
+    Empty: a yes/no question built in."""
+    parse: JudgeParse = JudgeParse.yes_no
+    """judge: how its text becomes a score (yes_no, or the first number over max_score)."""
+    max_score: float = 10.0
+    """judge with parse=number: the score that maps to 1."""
+    temperature: float = 0.0
+    """judge: sampling temperature (0 is greedy, so a verdict is reproducible)."""
+    max_new_tokens: int = 16
+    """judge: tokens of one verdict at most."""
+    seed: int = 0
+    """judge: the engine's sampling seed."""
+    timeout: float | None = 300.0
+    """Seconds one request to the reward model may take; past it worker.reward.on_timeout decides (error, or
+    score 0 counted in reward_model/timeouts). Null for no limit."""
+    on_invalid: TimeoutPolicy = TimeoutPolicy.error
+    """A verdict that cannot be parsed, or a score that is not finite: fail the step naming the sample (error), or
+    score 0 and count it in reward_model/invalid (zero)."""
+    cpu_kvcache_space_gb: int = 1
+    """judge on CPU: the engine's KV cache in GiB."""
+    gpu_memory_utilization: float = 0.3
+    """judge on GPU: the share of its GPU the engine may take."""
+
+
+@dataclass
 class RewardConfig:
     reward_type: RewardManagerType | None = None
     """sequential or batch; unset takes the function's or its module's REWARD_TYPE."""
@@ -440,6 +490,7 @@ class RewardConfig:
     """vlmrl addition: a call past the timeout fails the step (error), or scores 0 and is counted in reward/timeouts (zero)."""
     memory_limit_mb: int | None = 8192
     """vlmrl addition: address space each reward process may use (RLIMIT_AS); past it the call raises MemoryError instead of the kernel killing a worker. Null for no limit."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

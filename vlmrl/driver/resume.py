@@ -50,7 +50,7 @@ FINGERPRINT_KEYS = (
     "worker.rollout.seed", "worker.rollout.limit_images", "worker.rollout.ignore_eos",
     "worker.rollout.multi_turn",
     "worker.reward.reward_type", "worker.reward.reward_function", "worker.reward.reward_function_kwargs",
-    "worker.reward.skip_special_tokens",
+    "worker.reward.skip_special_tokens", "worker.reward.reward_model",
     "trainer.critic_warmup",
 )  # fmt: skip
 

@@ -18,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlmrl.config import Config, to_dict
+from vlmrl.config import Config, RewardModelPlacement, to_dict
 from vlmrl.driver.console import ConsoleFeed, Progress
 from vlmrl.plan import Plan, describe
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.loop import TrainingLoop, planned_steps
 from vlmrl.driver.resume import check_resume
+from vlmrl.driver.reward_model import reward_model_link, start_reward_model
 from vlmrl.driver.scoring import start_scorers
 from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.rollout.tools import load_tools
@@ -118,10 +119,16 @@ class Runner:
         starting = background.submit(WorkerGroup, config, plan)
         background.shutdown(wait=False)
         try:
+            judge = start_reward_model(config, plan)  # a separate reward model loads beside the workers
             train_loader, val_loader = loaders or self._loaders(config)
-            # A reward function that cannot start fails the run before the workers are up.
-            scorers = start_scorers(config.worker.reward, validation=val_loader is not None)
-            workers = starting.result()
+            reward, validation = config.worker.reward, val_loader is not None
+            if reward.reward_model.model_path and reward.reward_model.placement is RewardModelPlacement.colocated:
+                workers = starting.result()  # they hold the reward model
+                scorers = start_scorers(reward, validation, reward_model_link(config, None, workers.workers))
+            else:
+                # A reward function that cannot start fails the run before the workers are up.
+                scorers = start_scorers(reward, validation, reward_model_link(config, judge, None))
+                workers = starting.result()
         except BaseException:
             # The run stops here; the group, once up, has nothing to rendezvous for.
             starting.add_done_callback(lambda f: f.exception() is None and f.result().pool.remove_scratch())

@@ -17,6 +17,8 @@ from vlmrl.config import RewardConfig
 from vlmrl.records import Batch
 from vlmrl.reward.function import RewardFunctionError
 from vlmrl.reward.manager import RewardResult, manager_class
+from vlmrl.reward.model_reward import reward_spec
+from vlmrl.reward.model_service import ModelLink
 from vlmrl.driver.metrics import reduce_reward_metrics
 
 
@@ -125,6 +127,9 @@ class Scorer:
         result: RewardResult = self.get(job)
         per_sample = {"overall": result.overall, **result.sub_scores}
         metrics = {**reduce_reward_metrics(per_sample, prefix=prefix), f"{prefix}/timeouts": len(result.timeouts)}
+        # The reward model's counters: reward_model/* for training, val/reward_model/* for validation.
+        model_prefix = "reward_model" if prefix == "reward" else f"{prefix}/reward_model"
+        metrics.update({model_prefix + k[len("reward_model") :]: v for k, v in result.metrics.items()})
         token_level = place_scores(result.overall, batch.response_mask)
         if any(t.turn_rewards for t in batch.trajectories):
             token_level = add_turn_rewards(token_level, batch)
@@ -151,24 +156,27 @@ class Scorers:
     val: Scorer | None
 
 
-def start_scorers(reward: RewardConfig, validation: bool) -> Scorers:
+def start_scorers(reward: RewardConfig, validation: bool, reward_model: ModelLink | None = None) -> Scorers:
     """One reward-manager actor for training and, with ``validation``, one for validation, both loaded.
 
     Waits until their reward processes have loaded the function, so that kwargs
-    that do not fit it fail now rather than at the first step.
+    that do not fit it fail now rather than at the first step. ``reward_model``
+    is how both reach a judge or score model, when one is configured.
     """
-    cls = ray.remote(manager_class(reward.reward_function, reward.reward_type))
+    spec = reward_spec(reward.reward_function, reward.reward_model.model_path)
+    cls = ray.remote(manager_class(spec, reward.reward_type))
 
     def scorer() -> Scorer:
         actor = cls.options(num_cpus=reward.num_cpus).remote(
-            reward.reward_function,
+            spec,
             reward.reward_function_kwargs,
             num_cpus=reward.num_cpus,
             timeout=reward.timeout,
             on_timeout=reward.on_timeout,
             memory_limit_mb=reward.memory_limit_mb,
+            reward_model=reward_model,
         )
-        return Scorer(actor, reward.reward_function)
+        return Scorer(actor, spec)
 
     scorers = Scorers(train=scorer(), val=scorer() if validation else None)
     started = [(s, s.start()) for s in (scorers.train, scorers.val) if s is not None]

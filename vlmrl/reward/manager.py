@@ -19,6 +19,7 @@ from typing import Any
 
 from vlmrl.config.options import RewardManagerType, TimeoutPolicy
 from vlmrl.reward.function import RewardFunctionError, RewardTimeout, load_reward_function
+from vlmrl.reward.model_service import ModelLink, ModelService
 from vlmrl.reward.sandbox import Outcome, Sandbox, Status
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class RewardResult:
     """Every other key the function returned, per sample (0 where a sample lacks it)."""
     timeouts: list[int] = field(default_factory=list)
     """Positions of the samples scored 0 because their call ran past the timeout."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The reward model's counters for this batch (``reward_model/*``), when one is configured."""
 
 
 def _where(inputs: list[dict], i: int) -> str:
@@ -94,12 +97,18 @@ class FunctionRewardManager:
         timeout: float | None = None,
         on_timeout: TimeoutPolicy = TimeoutPolicy.error,
         memory_limit_mb: int | None = None,
+        reward_model: ModelLink | None = None,
     ):
         self.spec = spec
         self.timeout = timeout
         self.on_timeout = TimeoutPolicy(on_timeout)
         processes = max(1, num_cpus) if self.parallel else 1
-        self.sandbox = Sandbox(spec, kwargs or {}, processes=processes, timeout=timeout, memory_limit_mb=memory_limit_mb)
+        self.model_service = ModelService(reward_model) if reward_model is not None else None
+        self.sandbox = Sandbox(
+            spec, kwargs or {}, processes=processes, timeout=timeout, memory_limit_mb=memory_limit_mb,
+            reward_model_kind=reward_model.kind if reward_model is not None else None,
+            service=self.model_service,
+        )  # fmt: skip
 
     def start(self) -> None:
         """Load the function in every reward process; a load error or kwargs that do not fit raise here."""
@@ -110,6 +119,13 @@ class FunctionRewardManager:
         self.sandbox.close()
 
     def compute(self, inputs: list[dict]) -> RewardResult:
+        """Score ``inputs``; the reward model's counters of this batch come with the result."""
+        result = self._compute(inputs)
+        if self.model_service is not None:
+            result.metrics = self.model_service.take_metrics()
+        return result
+
+    def _compute(self, inputs: list[dict]) -> RewardResult:
         raise NotImplementedError
 
     def _failure(self, outcome: Outcome, where: str) -> RewardFunctionError:
@@ -145,7 +161,7 @@ class SequentialFunctionRewardManager(FunctionRewardManager):
     reward_type = RewardManagerType.sequential
     parallel = True
 
-    def compute(self, inputs: list[dict]) -> RewardResult:
+    def _compute(self, inputs: list[dict]) -> RewardResult:
         chunk = max(1, math.ceil(len(inputs) / (self.sandbox.processes * CHUNKS_PER_PROCESS)))
         outcomes = self.sandbox.run(inputs, chunk, stop=self._fatal)
         # The first failure in sample order (a stopped run may have left later samples unscored).
@@ -165,7 +181,7 @@ class BatchFunctionRewardManager(FunctionRewardManager):
     reward_type = RewardManagerType.batch
     parallel = False  # one call per step; the function may use its num_cpus itself
 
-    def compute(self, inputs: list[dict]) -> RewardResult:
+    def _compute(self, inputs: list[dict]) -> RewardResult:
         (outcome,) = self.sandbox.run([inputs], 1, stop=self._fatal)
         sources = sorted({str(x.get("data_source", "unknown")) for x in inputs})
         where = f"a batch of {len(inputs)} samples (data sources: {', '.join(sources)})"

@@ -15,6 +15,9 @@ pipes (the child's stdout and stderr stay free for the user's prints):
 * parent -> child: ``{"sys_path", "spec", "kwargs"}`` once, then lists of ``(call_id, payload)``;
 * child -> parent: ``("ready",)`` or ``("failed", message)`` once, then one
   ``("ok", call_id, value)`` or ``("raised", call_id, message)`` per call, in order.
+* With a reward model (``vlmrl.reward.model_client``), a call may also send
+  ``("ask", call_id, method, args)`` and wait for the parent's ``("answer", value)``
+  or ``("error", message)``; the parent answers from a thread through ``service``.
 
 A child runs the calls of a list one after the other, so the call it is working
 on is always the oldest one not yet answered: that is the one a deadline or a
@@ -40,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vlmrl.reward.function import RewardFunctionError, check_kwargs, load_reward_function
+from vlmrl.reward.model_client import PARAMETER, RewardModelClient, make_ask
 
 START_TIMEOUT_S = 120.0
 """How long a reward process may take to import the user's module and get ready."""
@@ -119,10 +123,25 @@ class Sandbox:
     """``processes`` reward processes running ``spec``, each call limited to ``timeout`` seconds."""
 
     def __init__(
-        self, spec: str, kwargs: dict[str, Any], processes: int, timeout: float | None, memory_limit_mb: int | None = None
+        self,
+        spec: str,
+        kwargs: dict[str, Any],
+        processes: int,
+        timeout: float | None,
+        memory_limit_mb: int | None = None,
+        reward_model_kind: str | None = None,
+        service: Callable[[str, Any], Any] | None = None,
     ):
         self.spec, self.timeout, self.processes = spec, timeout, processes
-        self.init = {"sys_path": list(sys.path), "spec": spec, "kwargs": dict(kwargs), "memory_limit_mb": memory_limit_mb}
+        self.init = {
+            "sys_path": list(sys.path),
+            "spec": spec,
+            "kwargs": dict(kwargs),
+            "memory_limit_mb": memory_limit_mb,
+            "reward_model": reward_model_kind,
+        }
+        self.service = service
+        """Answers a call's ``("ask", ...)`` (a reward model request): ``service(method, args) -> value``."""
         self.children: list[_Child] = []
 
     def start(self) -> None:
@@ -198,6 +217,10 @@ class Sandbox:
             if message is None:
                 raise RewardFunctionError(f"a reward process for {self.spec} {what} while loading it")
             raise RewardFunctionError(message[1])
+        if message is not None and message[0] == "ask":  # the running call waits on the reward model
+            _, _, method, args = message
+            threading.Thread(target=self._answer, args=(child, method, args), daemon=True).start()
+            return False
         if message is None:  # died mid-call
             call_id = child.pending.popleft()
             outcome = Outcome(Status.died, f"the reward process {child.exit_description()}")
@@ -211,6 +234,19 @@ class Sandbox:
                 child.state = _State.idle
         outcomes[call_id] = outcome
         return stop(outcome)
+
+    def _answer(self, child: _Child, method: str, args: Any) -> None:
+        """Serve one ask in a thread, so that other processes' answers and deadlines are handled meanwhile."""
+        try:
+            if self.service is None:
+                raise RuntimeError("no reward model is configured (worker.reward.reward_model.model_path)")
+            reply = ("answer", self.service(method, args))
+        except Exception as e:
+            reply = ("error", str(e) or type(e).__name__)
+        try:
+            child.outbox.send(reply)
+        except (OSError, ValueError):  # the call timed out meanwhile and its process was killed
+            pass
 
     def _expire(self, child: _Child, outcomes, queue, stop) -> bool:
         if child.state is _State.starting:
@@ -243,7 +279,9 @@ class Sandbox:
 _LOAD_CHECKS: dict[tuple, str | None] = {}
 
 
-def check_loads(spec: str, kwargs: dict[str, Any], memory_limit_mb: int | None) -> None:
+def check_loads(
+    spec: str, kwargs: dict[str, Any], memory_limit_mb: int | None, reward_model_kind: str | None = None
+) -> None:
     """Load ``spec`` and check ``kwargs`` against it in a reward process, as a run would; raise RewardFunctionError.
 
     Used at validation, so that a module that calls ``os._exit`` or crashes at import ends a child, not the
@@ -254,9 +292,11 @@ def check_loads(spec: str, kwargs: dict[str, Any], memory_limit_mb: int | None) 
         stamp = os.stat(location).st_mtime_ns if location.endswith(".py") else None
     except OSError:
         stamp = None
-    key = (spec, repr(sorted(kwargs.items())), stamp, memory_limit_mb, tuple(sys.path), os.getcwd())
+    key = (spec, repr(sorted(kwargs.items())), stamp, memory_limit_mb, reward_model_kind, tuple(sys.path), os.getcwd())
     if key not in _LOAD_CHECKS:
-        sandbox = Sandbox(spec, kwargs, processes=1, timeout=None, memory_limit_mb=memory_limit_mb)
+        sandbox = Sandbox(
+            spec, kwargs, processes=1, timeout=None, memory_limit_mb=memory_limit_mb, reward_model_kind=reward_model_kind
+        )
         try:
             sandbox.start()
             _LOAD_CHECKS[key] = None
@@ -310,24 +350,54 @@ def serve(read_fd: int, write_fd: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # The manager's import path, and its working directory as `python -m` would add it.
     sys.path[:] = init["sys_path"] + ([os.getcwd()] if os.getcwd() not in init["sys_path"] else [])
-    kwargs = init["kwargs"]
+    kwargs = dict(init["kwargs"])
+    running = [-1]  # the call being served, for the reward model's asks
     try:
         fn, _ = load_reward_function(init["spec"])
+        kwargs.update(_reward_model_kwargs(fn, init, make_ask(inbox, outbox, lambda: running[0])))
         check_kwargs(fn, init["spec"], kwargs)
     except RewardFunctionError as e:
         outbox.send(("failed", str(e)))
         return
     outbox.send(("ready",))
     try:
-        _serve_calls(fn, kwargs, inbox, outbox, limit_mb)
+        _serve_calls(fn, kwargs, inbox, outbox, limit_mb, running)
     except (EOFError, BrokenPipeError):  # the manager closed the pipes or is gone
         return
 
 
-def _serve_calls(fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection, limit_mb: int | None) -> None:
+def _reward_model_kwargs(fn: Callable, init: dict, ask: Callable) -> dict[str, Any]:
+    """``{"reward_model": handle}`` when ``fn`` takes that parameter; an error when it needs one and none is set."""
+    import inspect
+
+    parameter = inspect.signature(fn).parameters.get(PARAMETER)
+    kind = init.get("reward_model")
+    if parameter is None:
+        if kind is not None:
+            raise RewardFunctionError(
+                f"worker.reward.reward_model is set but reward function {init['spec']} has no {PARAMETER!r} "
+                f"parameter, so the model would load and never be asked; add the parameter "
+                f"(def fn(reward_input(s), {PARAMETER}): ...), or leave worker.reward.reward_function empty to "
+                "reward with the model's score alone"
+            )
+        return {}
+    if kind is None:
+        if parameter.default is inspect.Parameter.empty:
+            raise RewardFunctionError(
+                f"reward function {init['spec']} takes a {PARAMETER!r} parameter but no reward model is configured; "
+                f"set worker.reward.reward_model.model_path, or give the parameter a default (None)"
+            )
+        return {}
+    return {PARAMETER: RewardModelClient(ask, kind)}
+
+
+def _serve_calls(
+    fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection, limit_mb: int | None, running: list[int]
+) -> None:
     while True:
         calls = inbox.recv()
         for call_id, payload in calls:
+            running[0] = call_id
             try:
                 value = fn(payload, **kwargs)
             except BaseException as e:  # sys.exit() in user code is a failed call too

@@ -15,6 +15,7 @@ from vlmrl.config import Config, LoggerName, RewardConfig, TrainerConfig
 from vlmrl.loggers.tracking import PACKAGES
 from vlmrl.plan import ModelKindError, is_hub_id, model_kind, uses_critic
 from vlmrl.reward.function import RewardFunctionError
+from vlmrl.reward.model_reward import reward_spec
 from vlmrl.reward.sandbox import check_loads
 
 __all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
@@ -113,14 +114,18 @@ def model_problems(config: Config) -> list[str]:
 def reward_problems(reward: RewardConfig) -> list[str]:
     """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts."""
     problems = []
-    if not reward.reward_function:
+    model = reward.reward_model
+    spec = reward_spec(reward.reward_function, model.model_path)
+    if not spec:
         problems.append(
-            "worker.reward.reward_function is empty: set it to path/to/file.py:function"
+            "worker.reward.reward_function is empty: set it to path/to/file.py:function, or set "
+            "worker.reward.reward_model.model_path to reward with a model's score"
         )
     else:
         try:
             # In a reward process, as a run loads it: a module that exits or crashes at import ends that process.
-            check_loads(reward.reward_function, reward.reward_function_kwargs, reward.memory_limit_mb)
+            kind = model.kind.value if model.model_path else None
+            check_loads(spec, reward.reward_function_kwargs, reward.memory_limit_mb, kind)
         except RewardFunctionError as e:
             problems.append(str(e))
     if reward.num_cpus < 1:

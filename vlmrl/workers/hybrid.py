@@ -19,6 +19,8 @@ from vlmrl.train import actor as actor_passes
 from vlmrl.train import critic as critic_passes
 from vlmrl.train.fsdp_options import uses
 from vlmrl.weight_sync import EngineSink, WeightSync
+from vlmrl.config import RewardModelPlacement
+from vlmrl.workers.reward_model import RewardModelServer
 from vlmrl.workers.rollout import RolloutWorker
 from vlmrl.workers.store import PassInput
 from vlmrl.workers.trainer import TrainerWorker
@@ -40,6 +42,15 @@ class HybridWorker:
             transform=self.trainer.hf_weights if self.trainer.lora else None,
         )
         self.offloaders = self.trainer.offloaders  # what ``uses`` moves to the device around a call
+        rm = config.worker.reward.reward_model
+        self.reward_model = (
+            RewardModelServer(
+                rm, plan.device, min_pixels=config.data.min_pixels, max_pixels=config.data.max_pixels, colocated=True
+            )
+            if rm.model_path and rm.placement is RewardModelPlacement.colocated
+            else None
+        )
+        """A colocated judge or score model (``vlmrl.workers.reward_model``); the reward manager calls it."""
         self.policy_version = 0
         """Updates synced into the engine so far: the version of the weights it samples with."""
         # GPU memory: torch keeps one resettable peak; each rollout resets it to measure its own peak, so the
@@ -96,6 +107,19 @@ class HybridWorker:
             update.metrics["perf/rollout/max_memory_allocated_gb"] = self.rollout_gpu_peak_bytes / 2**30
             self.rollout_gpu_peak_bytes = 0
         return update
+
+    # ---------------------------------------------------------------- a colocated reward model
+
+    def reward_model_generate(self, conversations: list, sampling: dict) -> tuple[list[str], int]:
+        return self._reward_model().generate(conversations, sampling)
+
+    def reward_model_score(self, conversations: list) -> list[float]:
+        return self._reward_model().score(conversations)
+
+    def _reward_model(self) -> RewardModelServer:
+        if self.reward_model is None:
+            raise RuntimeError("this worker holds no reward model (worker.reward.reward_model.placement=separate?)")
+        return self.reward_model
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.full_weights()
