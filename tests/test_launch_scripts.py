@@ -102,6 +102,7 @@ def test_reward_kwargs_fit_the_reward_function(script, tmp_path, monkeypatch):
     )
     reward = OmegaConf.to_container(merged, resolve=True)["worker"]["reward"]
     fn, _ = load_reward_function(reward["reward_function"])
-    inspect.signature(fn).bind(
-        None, **reward.get("reward_function_kwargs", {})
-    )  # first: the reward input(s)
+    kwargs = dict(reward.get("reward_function_kwargs", {}))
+    if reward.get("reward_model", {}).get("model_path"):
+        kwargs["reward_model"] = None  # vlmrl passes the handle (vlmrl.reward.model_client)
+    inspect.signature(fn).bind(None, **kwargs)  # first: the reward input(s)

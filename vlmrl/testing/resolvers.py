@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
 from vlmrl.testing.agent_assets import AgentAssets, ensure_agent_assets
+from vlmrl.testing.judge_assets import JudgeAssets, ensure_judge_assets
 from vlmrl.testing.assets import (
     QuickstartAssets,
     TextAssets,
@@ -28,7 +29,8 @@ __all__ = ["register_resolvers", "tiny_asset"]
 
 
 def tiny_asset(name: str) -> str:
-    """``${tiny:model_dir}``, ``${tiny:quickstart_model_dir}`` and the data files, in a YAML.
+    """``${tiny:model_dir}``, ``${tiny:quickstart_model_dir}``, the data files and the tiny reward models
+    (``${tiny:judge_dir}``, ``${tiny:score_dir}``), in a YAML.
 
     Builds the tiny random Qwen2.5-VL and its synthetic data (or the
     quickstart's format-tuned model and data) on first use, into
@@ -39,6 +41,7 @@ def tiny_asset(name: str) -> str:
     quickstart = [f"quickstart_{f.name}" for f in dataclasses.fields(QuickstartAssets)]
     text = [f"text_{f.name}" for f in dataclasses.fields(TextAssets)]
     agent = [f"agent_{f.name}" for f in dataclasses.fields(AgentAssets)]
+    judge = [f.name for f in dataclasses.fields(JudgeAssets)]  # judge_dir, score_dir
     if name in tiny:
         return str(getattr(ensure_tiny_assets(), name))
     if name in quickstart:
@@ -47,8 +50,10 @@ def tiny_asset(name: str) -> str:
         return str(getattr(ensure_text_assets(), name.removeprefix("text_")))
     if name in agent:
         return str(getattr(ensure_agent_assets(), name.removeprefix("agent_")))
+    if name in judge:
+        return str(getattr(ensure_judge_assets(), name))
     # Loading turns a ConfigError raised inside a resolver into the config's own problem list.
-    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart + text + agent)}"])
+    raise ConfigError([f"${{tiny:{name}}}: unknown tiny asset; choose one of: {', '.join(tiny + quickstart + text + agent + judge)}"])
 
 
 def register_resolvers() -> None:

@@ -4,6 +4,7 @@ judge's template; and the reward function against it. Read from the model's conf
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from vlmrl.config import Config, RewardModelKind, RewardModelPlacement
@@ -12,6 +13,7 @@ from vlmrl.reward.judging import JudgeTemplateError, compile_template, render_qu
 
 P = "worker.reward.reward_model"
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _GENERATIVE = ("ForConditionalGeneration", "ForCausalLM", "ForImageTextToText")
 _SAMPLE_INPUT = {
     "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is the shape?<|im_end|>\n",
@@ -57,7 +59,9 @@ def reward_model_problems(config: Config, cluster: Cluster) -> list[str]:
 def _architecture_problems(model_path: str, kind: RewardModelKind) -> list[str]:
     config_file = Path(model_path) / "config.json"
     if not Path(model_path).is_dir():
-        return [f"{P}.model_path={model_path}: no such directory (a local model directory; nothing is downloaded)"]
+        if _HUB_ID.fullmatch(model_path):
+            return []  # a Hub id: its config is read where the model loads, as the actor's is
+        return [f"{P}.model_path={model_path}: no such directory (a local model directory, or a Hub id org/name)"]
     try:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except (OSError, ValueError) as e:
