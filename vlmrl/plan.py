@@ -392,4 +392,12 @@ def describe(plan: Plan, config: Config) -> str:
         f"training steps: {steps}",
         f"outputs: {plan.experiment_dir} (checkpoints in {plan.checkpoint_dir})",
     ]
+    rm = config.worker.reward.reward_model
+    if rm.model_path:
+        where = (
+            "inside each worker, taking turns with the policy"
+            if rm.placement == "colocated"
+            else f"in its own actor ({f'{rm.num_gpus:g} GPU' if plan.device == 'cuda' else f'{rm.num_cpus} CPU'})"
+        )
+        lines.insert(len(lines) - 2, f"reward model: {rm.kind.value} {rm.model_path}, {rm.dtype.value}, {where}")
     return "\n".join(lines + [f"note: {note}" for note in plan.notes])
