@@ -182,12 +182,12 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def text_e2e(text_assets, tmp_path_factory):
-    """The tiny Qwen3 for 2 steps of GAE (a critic), LoRA on the actor, padding-free passes, vLLM log-probs,
+    """The format-tuned tiny Qwen3 for 2 steps of GAE (a critic), LoRA on the actor, padding-free passes, vLLM log-probs,
     EasyR1's math prompt and reward; validation before and after, a checkpoint, then the HF export."""
     out = tmp_path_factory.mktemp("text") / "outputs"
     proc = run_main(
-        out, *text_run(text_assets, text_assets.qwen3_model_dir),
-        "data.rollout_batch_size=4", "data.max_response_length=16", "data.val_batch_size=8",
+        out, *text_run(text_assets, text_assets.qwen3_tuned_model_dir),
+        "data.rollout_batch_size=4", "data.max_response_length=24", "data.val_batch_size=8",
         "worker.actor.global_batch_size=4", "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.rollout.n=2", f"trainer.max_steps={STEPS}", "trainer.val_before_train=true",
         "trainer.logger=[console,file]", "trainer.val_generations_to_log=2",
@@ -255,6 +255,11 @@ def test_the_text_runs_reward_function_saw_the_math_prompt_and_text_responses(te
         assert set(g["scores"]) >= {"overall", "format", "accuracy"}  # the math reward's sub-scores
     metrics = read_metrics(out, "text")
     assert {"reward/format", "reward/accuracy"} <= set(metrics[-1]), sorted(metrics[-1])
+    # The format-tuned start writes EasyR1's format for some samples and not others: the math reward differs
+    # within the step, so the update has a reward to follow (a random model scored 0 everywhere).
+    first = next(m for m in metrics if m["step"] == 1 and "reward/format" in m)
+    assert 0 < first["reward/format"] < 1, first["reward/format"]
+    assert first["critic/rewards/max"] > first["critic/rewards/min"], first
 
 
 def test_the_text_checkpoint_exports_to_a_causal_lm_with_a_tokenizer(text_e2e, text_assets):
@@ -263,7 +268,7 @@ def test_the_text_checkpoint_exports_to_a_causal_lm_with_a_tokenizer(text_e2e, t
     model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert not any("lora" in name for name, _ in model.named_parameters())  # merged weights under HF names
-    base = AutoModelForCausalLM.from_pretrained(text_assets.qwen3_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(text_assets.qwen3_tuned_model_dir, dtype=torch.float32)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert changed and all("proj" in n for n in changed), changed  # the LoRA targets moved; norms, embeddings did not
     AutoProcessor.from_pretrained(export_dir)  # the tokenizer came along
