@@ -195,6 +195,8 @@ def text_e2e(text_assets, tmp_path_factory):
         "worker.actor.padding_free=true", "worker.critic.padding_free=true",
         "worker.actor.model.lora.rank=8", "worker.actor.optim.lr=1e-2", "worker.actor.entropy_coeff=0.01",
         "worker.rollout.calculate_log_probs=true",
+        # The decoupled PPO loss (issue 20's loss, here in the synchronous step): vLLM's log-probs as behaviour.
+        "worker.actor.use_decoupled_loss=true",
         # EasyR1 keys implemented in issue 21, exercised here too: bf16 optimizer states for the actor, the step
         # generated in 2 calls of 2 prompts, and Ray's timeline written at the end.
         "worker.actor.optim.strategy=adamw_bf16", "data.mini_rollout_batch_size=2",
@@ -231,6 +233,9 @@ def test_a_text_model_trains_with_a_critic_lora_and_packed_passes(text_e2e):
     # Step 2 samples with the weights step 1 trained (lr 1e-2 moves them): vLLM's log-probs equal the actor's
     # only if the resync handed the text model's new (merged LoRA) weights to the engine.
     assert steps[1]["rollout/log_prob_diff_max"] < 1e-3, steps[1]
+    # The behaviour weight old / vLLM is 1 up to the engine-actor difference: the loss took vLLM's log-probs.
+    for m in steps:
+        assert m["actor/behav_weight_mean"] == pytest.approx(1.0, abs=1e-2) and m["actor/behav_weight_capped_frac"] == 0
     assert any(k.startswith("val/") for k in metrics[0]), metrics[0]  # validation before training (step 0)
     assert (out.parent / "timeline.json").is_file()  # trainer.ray_timeline
 

@@ -34,6 +34,13 @@ from vlmrl.algos.advantages import (
     rloo_advantages,
 )
 from vlmrl.algos.common import masked_mean, masked_sum, masked_whiten
+from vlmrl.algos.decoupled import (
+    BehaviourWeightMode,
+    DecoupledParams,
+    behaviour_weight,
+    policy_loss_decoupled,
+    proximal_log_probs_loglinear,
+)
 from vlmrl.algos.groups import online_filter_keep, zero_advantage_groups
 from vlmrl.algos.kl import (
     KL_CONTROLLERS,
@@ -68,6 +75,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdvantageEstimator",
+    "BehaviourWeightMode",
+    "DecoupledParams",
     "EstimatorSpec",
     "KLController",
     "KLControllerType",
@@ -78,6 +87,7 @@ __all__ = [
     "adaptive_kl_coef",
     "aggregate_loss",
     "aggregation_weight",
+    "behaviour_weight",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
@@ -91,10 +101,12 @@ __all__ = [
     "masked_whiten",
     "online_filter_keep",
     "policy_loss_cispo",
+    "policy_loss_decoupled",
     "policy_loss_gspo",
     "policy_loss_gspo_token",
     "policy_loss_ppo_clip",
     "policy_loss_sapo",
+    "proximal_log_probs_loglinear",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",

@@ -23,6 +23,7 @@ from typing import Any
 
 from vlmrl.algos import (
     AdvantageEstimator,
+    BehaviourWeightMode,
     KLControllerType,
     KLEstimator,
     LossAvgMode,
@@ -287,6 +288,15 @@ class ActorConfig:
     """SAPO: gate temperature for tokens with a negative advantage."""
     entropy_coeff: float = 0.0
     """vlmrl addition: weight of an entropy bonus in the actor loss; 0 for none."""
+    use_decoupled_loss: bool = False
+    """vlmrl addition (AReaL's decoupled PPO): clip the ratio against the old (proximal) log-probs and weight each
+    token by old / behaviour, the behaviour being vLLM's log-probs of the sampled token, which corrects for the
+    engine and the actor disagreeing; needs worker.rollout.calculate_log_probs=true."""
+    behaviour_weight_cap: float = 5.0
+    """With use_decoupled_loss: the bound on the weight old / behaviour (at least 1)."""
+    behaviour_weight_mode: BehaviourWeightMode = BehaviourWeightMode.mask
+    """With use_decoupled_loss: mask (a token over the cap adds nothing, the loss's denominator unchanged), truncate
+    (its weight becomes the cap), or none (unbounded)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

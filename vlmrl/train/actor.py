@@ -22,7 +22,7 @@ from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
 from vlmrl import algos
-from vlmrl.algos import KLEstimator, PolicyLossParams, PolicyLossType
+from vlmrl.algos import DecoupledParams, KLEstimator, PolicyLossParams, PolicyLossType
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs
@@ -137,6 +137,8 @@ class UpdateSettings:
     padding_free: bool = False
     lr_schedule: LRSchedule | None = None
     """The learning rate of each update; None keeps the optimizer's (optim.lr)."""
+    decoupled: DecoupledParams | None = None
+    """The decoupled PPO loss (``use_decoupled_loss``): the behaviour weight's cap and mode; None for plain PPO."""
 
     @property
     def batching(self) -> MicroBatching:
@@ -168,6 +170,13 @@ class UpdateSettings:
             max_token_len=plan.update_token_budget,
             padding_free=actor.padding_free,
             lr_schedule=None if training_steps is None else LRSchedule.from_optim(actor.optim, training_steps),
+            decoupled=DecoupledParams(
+                behaviour_weight_cap=actor.behaviour_weight_cap,
+                behaviour_weight_mode=actor.behaviour_weight_mode,
+                loss_type=actor.loss_type,
+            )
+            if actor.use_decoupled_loss
+            else None,
         )
 
 
@@ -215,6 +224,8 @@ def update_policy(
         batch.require("old_log_probs")
     if settings.use_kl_loss:
         batch.require("ref_log_probs")
+    if settings.decoupled is not None:
+        batch.require("rollout_log_probs")  # the behaviour policy's (vLLM's) log-probs
     own_log_probs = torch.zeros(batch.responses.shape) if old_from_forward else None
     own_entropy = torch.zeros(batch.responses.shape) if old_from_forward else None
     policy_loss = algos.POLICY_LOSSES[settings.loss_type]
@@ -234,7 +245,13 @@ def update_policy(
             own_log_probs[rows], own_entropy[rows] = old_log_probs.cpu(), entropy.detach().cpu()
         else:
             old_log_probs = mb.old_log_probs.to(device)
-        pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, mb.advantages.to(device), mask, params)
+        if settings.decoupled is None:
+            pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, mb.advantages.to(device), mask, params)
+        else:  # the old log-probs are the proximal policy; the weight old / behaviour corrects for the sampler
+            pg_loss, pg_metrics = algos.policy_loss_decoupled(
+                mb.rollout_log_probs.to(device), old_log_probs, log_probs, mb.advantages.to(device), mask, params,
+                settings.decoupled,
+            )  # fmt: skip
         loss = pg_loss
         entropy_mean = algos.aggregate_loss(entropy, mask, mode, norm_len)
         if settings.entropy_coeff != 0:

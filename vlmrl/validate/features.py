@@ -88,6 +88,17 @@ def estimator_problems(config: Config) -> list[str]:
             f"algorithm.filter_low={algo.filter_low} >= algorithm.filter_high={algo.filter_high}: online filtering "
             "would keep no group; make filter_low smaller than filter_high"
         )
+    actor = config.worker.actor
+    if actor.use_decoupled_loss and not rollout.calculate_log_probs:
+        problems.append(
+            "worker.actor.use_decoupled_loss=true weights each token by old / behaviour, and the behaviour "
+            "log-probs are vLLM's; set worker.rollout.calculate_log_probs=true"
+        )
+    if actor.use_decoupled_loss and not actor.behaviour_weight_cap >= 1:
+        problems.append(
+            f"worker.actor.behaviour_weight_cap={actor.behaviour_weight_cap}: must be at least 1 (a weight of 1 is "
+            "a token the engine and the actor agree on)"
+        )
     return problems
 
 
