@@ -233,18 +233,48 @@ def test_skip_leaves_bad_rows_out_counts_and_logs_them(tmp_path, processor, capl
     assert f"{files} row 1, key 'images'" in caplog.text
 
 
-def test_bad_rows_found_on_read_stop_or_give_way_to_the_next_row(tmp_path, processor, caplog):
+def test_bad_rows_found_on_read_stop_or_are_left_out_at_start_up(tmp_path, processor, caplog):
     files = write_jsonl(tmp_path / "d.jsonl", [GOOD, {**GOOD, "answer": None}, {**GOOD, "answer": "last"}])
     strict = dataset(files, processor, filter_overlong_prompts=False, image_dir=str(tmp_path))
     assert strict[0].ground_truth == "ok"
     with pytest.raises(DataError, match=r"d\.jsonl row 1, key 'answer': no answer"):
         strict[1]
+    # With skip, the rows are checked at start-up even without length filtering: the bad row is left out
+    # of the index, so no row stands in for it and appears twice in an epoch.
     lenient = dataset(
         files, processor, filter_overlong_prompts=False, on_bad_sample=BadSamplePolicy.skip, image_dir=str(tmp_path)
     )
+    assert [s.index for s in lenient] == [0, 2] and list(lenient.skipped) == [1]
+
+
+def test_a_row_that_turns_bad_after_the_check_gives_way_and_says_it_duplicates(tmp_path, processor, caplog):
+    (tmp_path / "later.png").write_bytes(png(56, 56))
+    rows = [GOOD, {**GOOD, "images": ["later.png"]}, {**GOOD, "answer": "last"}]
+    ds = dataset(write_jsonl(tmp_path / "d.jsonl", rows), processor, on_bad_sample="skip", image_dir=str(tmp_path))
+    assert len(ds) == 3
+    (tmp_path / "later.png").unlink()  # the source changes after the start-up check
     with caplog.at_level(logging.WARNING, logger="vlmrl.data.dataset"):
-        assert lenient[1].ground_truth == "last"  # same batch size: the next row stands in
-    assert list(lenient.skipped) == [1] and "row 1, key 'answer'" in caplog.text
+        assert ds[1].ground_truth == "last"
+    assert list(ds.skipped) == [1]
+    assert "passed the start-up check" in caplog.text and "appears twice this epoch" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_a_row_check_process_that_is_killed_fails_the_check_instead_of_hanging(tmp_path, processor, monkeypatch):
+    import os
+    import signal
+
+    check = RLHFDataset.check
+
+    def dies_on_row_3(self, row_id):
+        if row_id == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would, in the forked checker
+        return check(self, row_id)
+
+    monkeypatch.setattr(RLHFDataset, "check", dies_on_row_3)
+    files = write_jsonl(tmp_path / "d.jsonl", [{"problem": f"q{i}", "answer": str(i)} for i in range(8)])
+    with pytest.raises(DataError, match="a row-check process died .* lower data.filter_overlong_prompts_workers"):
+        dataset(files, processor, filter_overlong_prompts_workers=2)
 
 
 def test_a_media_token_count_that_does_not_match_the_grid_is_caught_before_the_model(tmp_path, processor):

@@ -540,6 +540,8 @@ class TrainerConfig:
     """Steps that train only the critic before the actor starts (GAE)."""
     warn_unauthenticated_ray: bool = True
     """vlmrl addition: warn when RAY_ADDRESS is a cluster without Ray's token authentication; false for a cluster firewalled to you alone."""
+    start_timeout_s: float = 1800.0
+    """vlmrl addition: seconds the workers (loading their models, starting vLLM), the reward actors and a separate reward model may take to start before the run fails, naming what did not start and what the cluster has."""
     step_timeout_s: float | None = None
     """vlmrl addition: fail the run when one of a step's worker calls (rollout, a pass, the update, the resync, a save) takes longer than this many seconds; null waits forever."""
     max_consecutive_skipped_steps: int = 3

@@ -22,6 +22,8 @@ import json
 import logging
 import multiprocessing
 import re
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +163,10 @@ class RLHFDataset(torch.utils.data.Dataset):
         """Rows left out as bad, by row id, with the reason (on_bad_sample=skip)."""
         self.overlong: list[int] = []
         """Rows dropped by filter_overlong_prompts."""
-        if filter_overlong_prompts:
-            self.index = self._check_all(max(1, filter_overlong_prompts_workers))
+        if filter_overlong_prompts or self.on_bad_sample is BadSamplePolicy.skip:
+            # With on_bad_sample=skip every row is read once now, so that a bad row is left out of the index
+            # instead of found at read time, where the next row would take its place and appear twice.
+            self.index = self._check_all(max(1, filter_overlong_prompts_workers), drop_long=filter_overlong_prompts)
         else:
             self.index = list(range(len(self.rows)))
         if not self.index:
@@ -191,7 +195,12 @@ class RLHFDataset(torch.utils.data.Dataset):
                     raise
                 if row_id not in self.skipped:
                     self.skipped[row_id] = str(e)
-                    logger.warning("data: skipped bad row (%d so far): %s", len(self.skipped), e)
+                    # The start-up check passed this row, so its source changed since (a file edited or removed).
+                    logger.warning(
+                        "data: skipped bad row (%d so far): %s; it passed the start-up check, so its source changed "
+                        "since; the next usable row takes its place and appears twice this epoch",
+                        len(self.skipped), e,
+                    )  # fmt: skip
         raise DataError(f"{self.files}: every row is bad ({len(self.skipped)} skipped); see the warnings above")
 
     def where(self, row_id: int) -> str:
@@ -215,8 +224,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         except BadRowError as e:
             return row_id, "bad", str(e)
 
-    def _check_all(self, workers: int) -> list[int]:
-        """Check every row; return the usable ones. Fills ``overlong`` and ``skipped``."""
+    def _check_all(self, workers: int, drop_long: bool = True) -> list[int]:
+        """Check every row; return the usable ones. Fills ``overlong`` (with ``drop_long``) and ``skipped``."""
         global _CHECKING
         row_ids = list(range(len(self.rows)))
         if workers > 1 and len(row_ids) > 1:
@@ -224,16 +233,25 @@ class RLHFDataset(torch.utils.data.Dataset):
             chunks = [row_ids[i : i + size] for i in range(0, len(row_ids), size)]
             _CHECKING = self
             try:
-                # fork: the children inherit the dataset instead of unpickling a processor each.
-                with multiprocessing.get_context("fork").Pool(workers) as pool:
+                # fork: the children inherit the dataset instead of unpickling a processor each. An executor, not
+                # multiprocessing.Pool: a child killed mid-check (the OOM killer) breaks the executor, which says
+                # so, where a Pool waits forever for the lost chunk.
+                context = multiprocessing.get_context("fork")
+                with ProcessPoolExecutor(workers, mp_context=context) as pool:
                     results = [r for part in pool.map(_check_rows, chunks) for r in part]
+            except BrokenProcessPool as e:
+                raise DataError(
+                    f"{self.files}: a row-check process died while checking the rows (killed, for example by the "
+                    "out-of-memory killer on a large image or video); lower data.filter_overlong_prompts_workers "
+                    "(1 checks in this process) or data.max_pixels"
+                ) from e
             finally:
                 _CHECKING = None
         else:
             results = [self.check(r) for r in row_ids]
         keep = []
         for row_id, status, message in results:
-            if status == "ok":
+            if status == "ok" or (status == "long" and not drop_long):  # not filtering: found when it is read
                 keep.append(row_id)
             elif status == "long":
                 self.overlong.append(row_id)

@@ -42,8 +42,17 @@ def reward_model_link(config: Config, actor: ray.actor.ActorHandle | None, worke
     if not rm.model_path:
         return None
     if rm.placement is RewardModelPlacement.separate:
+        timeout = config.trainer.start_timeout_s
         try:
-            ray.get(actor.ready.remote())
+            ray.get(actor.ready.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()
+            raise RewardFunctionError(
+                f"worker.reward.reward_model: {rm.model_path} did not load within trainer.start_timeout_s={timeout:g} "
+                f"s; its actor asks for {rm.num_cpus} CPU(s) (and {rm.num_gpus:g} GPU(s) on GPU), the cluster has "
+                f"{free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU free; lower the reward model's num_cpus "
+                "or num_gpus, set placement=colocated, or raise trainer.start_timeout_s"
+            ) from None
         except ray.exceptions.RayError as e:
             raise RewardFunctionError(
                 f"worker.reward.reward_model: {rm.kind.value} model {rm.model_path} failed to load in its actor: {e}"

@@ -122,12 +122,13 @@ class Runner:
             judge = start_reward_model(config, plan)  # a separate reward model loads beside the workers
             train_loader, val_loader = loaders or self._loaders(config)
             reward, validation = config.worker.reward, val_loader is not None
+            timeout = config.trainer.start_timeout_s
             if reward.reward_model.model_path and reward.reward_model.placement is RewardModelPlacement.colocated:
                 workers = starting.result()  # they hold the reward model
-                scorers = start_scorers(reward, validation, reward_model_link(config, None, workers.workers))
+                scorers = start_scorers(reward, validation, reward_model_link(config, None, workers.workers), timeout)
             else:
                 # A reward function that cannot start fails the run before the workers are up.
-                scorers = start_scorers(reward, validation, reward_model_link(config, judge, None))
+                scorers = start_scorers(reward, validation, reward_model_link(config, judge, None), timeout)
                 workers = starting.result()
         except BaseException:
             # The run stops here; the group, once up, has nothing to rendezvous for.

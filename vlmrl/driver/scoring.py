@@ -135,10 +135,10 @@ class Scorer:
             token_level = add_turn_rewards(token_level, batch)
         return Rewards(token_level, per_sample, metrics)
 
-    def get(self, ref: ray.ObjectRef):
+    def get(self, ref: ray.ObjectRef, timeout: float | None = None):
         """``ray.get`` with the manager's failures as RewardFunctionErrors that say what happened."""
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as e:
             raise RewardFunctionError(
                 f"the reward manager actor running {self.spec} died (a crash or os._exit in the actor, "
@@ -156,12 +156,16 @@ class Scorers:
     val: Scorer | None
 
 
-def start_scorers(reward: RewardConfig, validation: bool, reward_model: ModelLink | None = None) -> Scorers:
+def start_scorers(
+    reward: RewardConfig, validation: bool, reward_model: ModelLink | None = None, timeout: float | None = None
+) -> Scorers:
     """One reward-manager actor for training and, with ``validation``, one for validation, both loaded.
 
     Waits until their reward processes have loaded the function, so that kwargs
     that do not fit it fail now rather than at the first step. ``reward_model``
-    is how both reach a judge or score model, when one is configured.
+    is how both reach a judge or score model, when one is configured. ``timeout``
+    (trainer.start_timeout_s) bounds the wait: an actor the cluster cannot place
+    would otherwise wait forever.
     """
     spec = reward_spec(reward.reward_function, reward.reward_model.model_path)
     cls = ray.remote(manager_class(spec, reward.reward_type))
@@ -181,5 +185,13 @@ def start_scorers(reward: RewardConfig, validation: bool, reward_model: ModelLin
     scorers = Scorers(train=scorer(), val=scorer() if validation else None)
     started = [(s, s.start()) for s in (scorers.train, scorers.val) if s is not None]
     for s, ref in started:
-        s.get(ref)
+        try:
+            s.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0)
+            raise RewardFunctionError(
+                f"the reward actors for {spec} did not start within trainer.start_timeout_s={timeout:g} s: each asks "
+                f"for worker.reward.num_cpus={reward.num_cpus} CPU(s) and the cluster has {free:g} free; lower "
+                "worker.reward.num_cpus, or give the cluster more CPUs"
+            ) from None
     return scorers

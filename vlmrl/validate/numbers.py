@@ -113,6 +113,8 @@ def range_problems(config: Config) -> list[str]:
             f"trainer.step_timeout_s={trainer.step_timeout_s}: must be a positive number of seconds, or null to wait "
             "forever"
         )
+    if not trainer.start_timeout_s > 0:
+        problems.append(f"trainer.start_timeout_s={trainer.start_timeout_s}: must be a positive number of seconds")
     if not (trainer.max_consecutive_skipped_steps == -1 or trainer.max_consecutive_skipped_steps >= 1):
         problems.append(
             f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps}: must be at least 1, "

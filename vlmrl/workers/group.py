@@ -206,12 +206,29 @@ class WorkerGroup:
             ).remote(config, plan, rank, init_method)
             for rank in self.pool.ranks()
         ]
+        self._wait_started(config)
         self.pad_token_id = ray.get(self.workers[0].pad_token_id.remote())
         self.holders: dict[str, tuple[Trajectory, set[int]]] = {}
         """Each row a worker holds this step: sample id -> (the trajectory the workers hold, their ranks).
         A batch that brings another trajectory under a held id sends it again, so no worker scores a stale row."""
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the rollout calls' pieces since the last ``take_rollout_timings``."""
+
+    def _wait_started(self, config: Config) -> None:
+        """Wait for every worker's constructor (models loaded, engine started), at most trainer.start_timeout_s."""
+        timeout = config.trainer.start_timeout_s
+        try:
+            ray.get([w.pad_token_id.remote() for w in self.workers], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            for worker in self.workers:  # a worker still loading would hold its bundle after the run failed
+                ray.kill(worker)
+            self.pool.release()
+            raise RuntimeError(
+                f"the {len(self.workers)} worker(s) did not finish starting (loading "
+                f"{config.worker.actor.model.model_path} and starting vLLM) within trainer.start_timeout_s="
+                f"{timeout:g} s; the cluster has {_cluster_summary()}. See the run's run.log for where they are; "
+                "raise trainer.start_timeout_s for a model that loads slowly"
+            ) from None
 
     def shutdown(self) -> None:
         """Stop the workers and free their placement groups (tests that build several groups call this)."""
