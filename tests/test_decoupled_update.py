@@ -15,7 +15,12 @@ import dataclasses
 
 import pytest
 import torch
-from test_update_equivalence import RecordingOptimizer, assert_same_gradients, model_and_batch, update_settings  # noqa: F401
+from test_update_equivalence import (  # noqa: F401 (model_and_batch is a fixture)
+    RecordingOptimizer,
+    assert_same_gradients,
+    model_and_batch,
+    update_settings,
+)
 
 from vlmrl.algos import BehaviourWeightMode, DecoupledParams, LossAvgMode, PolicyLossType
 from vlmrl.config import ConfigError

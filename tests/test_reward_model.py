@@ -180,7 +180,7 @@ def test_asks_from_several_processes_are_batched(judge, judge_assets, rewards_fi
 
 
 def test_unparseable_verdicts_fail_naming_the_sample_or_count_as_zero(judge, judge_assets, rewards_file):
-    config, actor, _ = judge
+    _, actor, _ = judge
     # A question the judge was never tuned on, parsed as a number: its yes/no is no number.
     template = "How many shapes? {{ question }} Answer: {{ response }}"
     inputs = _inputs("q", ["red", "blue"], ["red", "red"])
@@ -263,7 +263,7 @@ def test_score_model_gives_the_scores_of_the_model_called_directly(cluster, judg
                             add_special_tokens=False)  # fmt: skip
             expected.append(model(**ids).logits[0, 0].item())
     assert result.overall == pytest.approx(expected, abs=1e-5)
-    assert len(set(round(s, 4) for s in expected)) == 5  # the responses are told apart
+    assert len({round(s, 4) for s in expected}) == 5  # the responses are told apart
     assert result.metrics["reward_model/score_min"] == pytest.approx(min(expected), abs=1e-5)
     assert result.metrics["reward_model/score_max"] == pytest.approx(max(expected), abs=1e-5)
     ray.kill(actor)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmrl import algos
+from vlmrl.algos import DecoupledParams, KLEstimator, PolicyLossParams, PolicyLossType
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
-from vlmrl import algos
-from vlmrl.algos import DecoupledParams, KLEstimator, PolicyLossParams, PolicyLossType
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs

@@ -68,11 +68,15 @@ def _architecture_problems(model_path: str, kind: RewardModelKind) -> list[str]:
         return [f"{P}.model_path={model_path}: cannot read {config_file}: {e}"]
     names = ", ".join(architectures) or "none listed"
     if kind is RewardModelKind.judge and not any(a.endswith(_GENERATIVE) for a in architectures):
-        return [f"{P}.model_path={model_path} is {names}, not a generative model, but {P}.kind=judge needs one "
-                "(ForConditionalGeneration or ForCausalLM); use kind=score for a classifier"]  # fmt: skip
+        return [
+            f"{P}.model_path={model_path} is {names}, not a generative model, but {P}.kind=judge needs one "
+            "(ForConditionalGeneration or ForCausalLM); use kind=score for a classifier"
+        ]
     if kind is RewardModelKind.score and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        return [f"{P}.model_path={model_path} is {names}, but {P}.kind=score needs a ForSequenceClassification "
-                "model with one label; use kind=judge for a generative model"]  # fmt: skip
+        return [
+            f"{P}.model_path={model_path} is {names}, but {P}.kind=score needs a ForSequenceClassification "
+            "model with one label; use kind=judge for a generative model"
+        ]
     return []
 
 
@@ -84,10 +88,14 @@ def _placement_problems(config: Config, cluster: Cluster) -> list[str]:
     if not on_gpu:
         return []  # a CPU actor; the local cluster's logical CPUs are sized for it (vlmrl.main)
     if not 0 < rm.num_gpus:
-        return [f"{P}.num_gpus={rm.num_gpus}: a separate reward model on GPU needs a positive share of a GPU; "
-                f"or set {P}.placement=colocated"]  # fmt: skip
+        return [
+            f"{P}.num_gpus={rm.num_gpus}: a separate reward model on GPU needs a positive share of a GPU; "
+            f"or set {P}.placement=colocated"
+        ]
     if config.trainer.nnodes == 1 and cluster.gpus and world_size(config) + rm.num_gpus > cluster.gpus:
-        return [f"{P}.placement=separate needs {rm.num_gpus:g} GPU(s) beside the {world_size(config)} training "
-                f"worker(s), but this machine has {cluster.gpus}; lower trainer.n_gpus_per_node, or set "
-                f"{P}.placement=colocated"]  # fmt: skip
+        return [
+            f"{P}.placement=separate needs {rm.num_gpus:g} GPU(s) beside the {world_size(config)} training "
+            f"worker(s), but this machine has {cluster.gpus}; lower trainer.n_gpus_per_node, or set "
+            f"{P}.placement=colocated"
+        ]
     return []
