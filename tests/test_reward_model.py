@@ -99,6 +99,14 @@ def judge(cluster, judge_assets):
     return config, actor, reward_model_link(config, actor, None)
 
 
+def _compute(manager, inputs: list[dict] | None):
+    """``manager.compute(inputs)`` (``start()`` alone for None), its reward processes stopped afterwards."""
+    try:
+        return manager.start() if inputs is None else manager.compute(inputs)
+    finally:
+        manager.close()
+
+
 def _direct_chat(model_dir, conversations, max_tokens):
     """The judge's texts from a vLLM engine built here, not through vlmrl's server."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -126,11 +134,7 @@ def test_judge_gives_each_response_its_own_verdict_on_its_own_image(judge, judge
     truths = COLOURS * 2
     responses = [t if i % 2 == 0 else COLOURS[(COLOURS.index(t) + 1) % 4] for i, t in enumerate(truths)]
     inputs = _inputs(prompt_text, responses, truths)
-    manager = BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=link)
-    try:
-        result = manager.compute(inputs)
-    finally:
-        manager.close()
+    result = _compute(BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=link), inputs)
     # The reference: the same conversations judged by an engine built here. The verdicts come back in
     # the inputs' order (a shuffled order would pair verdicts with the wrong responses).
     template = compile_template(DEFAULT_TEMPLATE)
@@ -168,11 +172,7 @@ def test_asks_from_several_processes_are_batched(judge, judge_assets, rewards_fi
 
     prompt_text = quickstart_prompt_text(AutoProcessor.from_pretrained(judge_assets.judge_dir))
     inputs = _inputs(prompt_text, COLOURS * 3, COLOURS * 3)
-    manager = SequentialFunctionRewardManager(f"{rewards_file}:judge_one", num_cpus=2, reward_model=link)
-    try:
-        result = manager.compute(inputs)
-    finally:
-        manager.close()
+    result = _compute(SequentialFunctionRewardManager(f"{rewards_file}:judge_one", num_cpus=2, reward_model=link), inputs)
     assert len(result.overall) == 12
     # Two processes, each one call at a time: asks that meet within the coalescing window share a request.
     assert result.metrics["reward_model/items"] == 12
@@ -186,18 +186,10 @@ def test_unparseable_verdicts_fail_naming_the_sample_or_count_as_zero(judge, jud
     inputs = _inputs("q", ["red", "blue"], ["red", "red"])
     strict = reward_model_link(_config(judge_assets.judge_dir, RewardModelKind.judge, prompt_template=template,
                                        parse=JudgeParse.number), actor, None)  # fmt: skip
-    manager = BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=strict)
-    try:
-        with pytest.raises(RewardFunctionError, match=r"does not parse as parse=number on sample 0 .*on_invalid=zero"):
-            manager.compute(inputs)
-    finally:
-        manager.close()
+    with pytest.raises(RewardFunctionError, match=r"does not parse as parse=number on sample 0 .*on_invalid=zero"):
+        _compute(BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=strict), inputs)
     lenient = dataclasses.replace(strict, on_invalid=TimeoutPolicy.zero)
-    manager = BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=lenient)
-    try:
-        result = manager.compute(inputs)
-    finally:
-        manager.close()
+    result = _compute(BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=lenient), inputs)
     assert result.overall == [0.0, 0.0]
     assert result.metrics["reward_model/invalid"] == 2
 
@@ -206,18 +198,10 @@ def test_a_judge_timeout_is_an_error_or_a_counted_zero(judge, judge_assets, rewa
     _, actor, link = judge
     inputs = _inputs("q", ["red"] * 4, ["red"] * 4)
     slow = dataclasses.replace(link, timeout=1e-4)
-    manager = BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=slow)
-    try:
-        with pytest.raises(RewardFunctionError, match=r"ran past worker.reward.reward_model.timeout"):
-            manager.compute(inputs)
-    finally:
-        manager.close()
+    with pytest.raises(RewardFunctionError, match=r"ran past worker.reward.reward_model.timeout"):
+        _compute(BatchFunctionRewardManager(f"{rewards_file}:judge_batch", reward_model=slow), inputs)
     zero = dataclasses.replace(slow, on_timeout=TimeoutPolicy.zero)
-    manager = SequentialFunctionRewardManager(f"{rewards_file}:judge_one", reward_model=zero)
-    try:
-        result = manager.compute(inputs)
-    finally:
-        manager.close()
+    result = _compute(SequentialFunctionRewardManager(f"{rewards_file}:judge_one", reward_model=zero), inputs)
     assert result.overall == [0.0] * 4
     assert result.metrics["reward_model/timeouts"] == 4
     ray.get(actor.ready.remote())  # the late answers did not break the actor
@@ -225,12 +209,8 @@ def test_a_judge_timeout_is_an_error_or_a_counted_zero(judge, judge_assets, rewa
 
 def test_a_function_without_the_parameter_is_refused_when_a_model_is_set(judge, rewards_file):
     _, _, link = judge
-    manager = SequentialFunctionRewardManager(f"{rewards_file}:no_parameter", reward_model=link)
-    try:
-        with pytest.raises(RewardFunctionError, match="has no 'reward_model' parameter"):
-            manager.start()
-    finally:
-        manager.close()
+    with pytest.raises(RewardFunctionError, match="has no 'reward_model' parameter"):
+        _compute(SequentialFunctionRewardManager(f"{rewards_file}:no_parameter", reward_model=link), None)
 
 
 def test_score_model_gives_the_scores_of_the_model_called_directly(cluster, judge_assets, rewards_file):
@@ -244,11 +224,7 @@ def test_score_model_gives_the_scores_of_the_model_called_directly(cluster, judg
     # Different lengths, so that the micro-batches are padded.
     responses = ["red", "a green square", "blue blue blue blue", "yellow", "the red one on the left"]
     inputs = _inputs("<|im_start|>user\nWhat colour?<|im_end|>\n", responses, ["red"] * 5)
-    manager = SequentialFunctionRewardManager(f"{rewards_file}:judge_one", reward_model=link)
-    try:
-        result = manager.compute(inputs)
-    finally:
-        manager.close()
+    result = _compute(SequentialFunctionRewardManager(f"{rewards_file}:judge_one", reward_model=link), inputs)
     tokenizer = AutoTokenizer.from_pretrained(judge_assets.score_dir)
     model = AutoModelForSequenceClassification.from_pretrained(judge_assets.score_dir, dtype=torch.float32).eval()
     expected = []

@@ -20,17 +20,6 @@ from vlmrl.validate import load_config
 from vlmrl.workers.group import ResourcePool, WorkerGroup, WorkerTimeout
 
 
-@pytest.fixture
-def local_ray():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_a_call_past_step_timeout_s_fails_naming_the_call_and_the_late_ranks(local_ray):
     class _Worker:  # defined here so that Ray pickles it by value (the test module is not on the workers' path)
         def step(self, seconds: float) -> float:

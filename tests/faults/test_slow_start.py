@@ -16,17 +16,6 @@ from vlmrl.validate import load_config
 from vlmrl.workers.group import ResourcePool, WorkerGroup
 
 
-@pytest.fixture
-def local_ray():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_workers_that_never_finish_starting_fail_the_start_and_are_stopped(local_ray):
     class _Loading:  # a constructor that never returns, like a model load that hangs
         def __init__(self):

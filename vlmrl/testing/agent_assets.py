@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.testing import synthetic
+from vlmrl.testing import sft, synthetic
 
 QUESTION = "<image>What colour is the shape? The picture is covered; reveal shows it. Answer with one word."
 TOOL_CALL = '<tool_call>{"name": "reveal"}</tool_call>'
@@ -148,12 +148,7 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
                 targets.append(len(tokenizer.encode(target)))
             # One padded batch (right-padded), the loss on each row's target tokens only.
             inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
-            labels = torch.full_like(inputs["input_ids"], -100)
-            for row, (length, n) in enumerate(zip(inputs["attention_mask"].sum(dim=1).tolist(), targets)):
-                labels[row, length - n : length] = inputs["input_ids"][row, length - n : length]
-            optimizer.zero_grad()
-            model(**inputs, labels=labels).loss.backward()
-            optimizer.step()
+            sft.step_on_targets(model, optimizer, inputs, targets)
     model.eval()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
@@ -184,7 +179,7 @@ def agent_version() -> str:
     # tests/test_agent_render.py holds to the chat template's own rendering; so the template (in the tiny
     # model's assets) and chat.py's system message decide it, not the renderer's source.
     return assets._version(
-        (synthetic, chat, sys.modules[__name__]),
+        (synthetic, chat, sft, sys.modules[__name__]),
         f"{assets.assets_version()}:{N_TRAIN}:{N_VAL}:{STEPS}:{BATCH_SIZE}:{LR}:{CALL_SHARE}",
     )
 

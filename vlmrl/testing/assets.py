@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.testing import format_tune, synthetic, text_format_tune, tiny_text, tiny_vlm
+from vlmrl.testing import format_tune, sft, synthetic, text_format_tune, tiny_text, tiny_vlm
 
 FAMILY = "qwen2_5_vl"
 SEED = 0
@@ -106,7 +106,7 @@ def quickstart_version() -> str:
 def text_assets_version() -> str:
     """Hash of everything that decides the bytes of the text assets."""
     settings = f"text:{SEED}:{N_TRAIN}:{N_VAL}:{text_format_tune.MATH_PROMPT.read_text()}"
-    return _version((tiny_vlm, tiny_text, text_format_tune), settings)
+    return _version((tiny_vlm, tiny_text, text_format_tune, sft), settings)
 
 
 def _text_layout(root: Path) -> TextAssets:

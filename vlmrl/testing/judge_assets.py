@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.testing import synthetic
+from vlmrl.testing import sft, synthetic
 
 STEPS = 600  # measured: 300 steps judge at chance (0.56 on 64 held-out pairs), 600 steps 1.0
 BATCH_SIZE = 16
@@ -98,12 +98,7 @@ def judge_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int = STEPS
                 images.append(image)
                 targets.append(len(tokenizer.encode(target)))
             inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
-            labels = torch.full_like(inputs["input_ids"], -100)
-            for row, (length, n) in enumerate(zip(inputs["attention_mask"].sum(dim=1).tolist(), targets)):
-                labels[row, length - n : length] = inputs["input_ids"][row, length - n : length]
-            optimizer.zero_grad()
-            model(**inputs, labels=labels).loss.backward()
-            optimizer.step()
+            sft.step_on_targets(model, optimizer, inputs, targets)
     model.eval()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
@@ -137,7 +132,7 @@ def judge_version() -> str:
     from vlmrl.testing import assets
 
     return assets._version(
-        (synthetic, judging, sys.modules[__name__]),
+        (synthetic, judging, sft, sys.modules[__name__]),
         f"{assets.assets_version()}:{assets.text_assets_version()}:{STEPS}:{BATCH_SIZE}:{LR}",
     )
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from vlmrl.testing import sft
+
 STEPS = 200  # 80 steps: samples at temperature 1 were mostly garbled, no format at all in 8
 BATCH_SIZE = 16
 LR = 1e-3
@@ -56,12 +58,7 @@ def format_tune_math(model_dir: Path, out_dir: Path, train_file: Path, seed: int
                 texts.append(rng.choice(prompts) + target)
                 targets.append(len(tokenizer.encode(target, add_special_tokens=False)))
             inputs = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-            labels = torch.full_like(inputs["input_ids"], -100)
-            for row, (length, n) in enumerate(zip(inputs["attention_mask"].sum(dim=1).tolist(), targets)):
-                labels[row, length - n : length] = inputs["input_ids"][row, length - n : length]
-            optimizer.zero_grad()
-            model(**inputs, labels=labels).loss.backward()
-            optimizer.step()
+            sft.step_on_targets(model, optimizer, inputs, targets)
     model.eval()
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
