@@ -1,0 +1,279 @@
+"""OpenAI chat requests as token ids: the engine's view and the actor's, with the images resized to the grid.
+
+The agent endpoint (``vlmrl.rollout.endpoint``) gets conversations in the
+OpenAI format; this module turns one into what an engine request needs and
+what the trace records:
+
+- the messages are converted to the processor's chat-template format
+  (``image_url`` parts become ``{"type": "image"}`` items, their data URLs
+  decoded to PIL images and resized to the processor's grid by the injected
+  ``resize``, as the dataset resizes its images);
+- the template renders the whole conversation with its generation prompt;
+- the engine view is that text tokenized (one placeholder per image, which the
+  engine expands); the actor view is the processor's output on the same text and
+  images (each placeholder expanded to its patch tokens), as ``Trajectory``
+  holds prompts.
+
+Tools: a template that renders ``tools=`` gets them and the assistant messages'
+``tool_calls`` as they are (arguments as objects); for one that does not (Qwen2-VL
+and Qwen2.5-VL's, the tiny test model's) the tools go into the system message
+written by the injected ``tools_message`` and the calls and results are written
+as Qwen writes them, ``<tool_call>`` blocks in the assistant's text and
+``<tool_response>`` blocks in a user turn, as the built-in agent loop does
+(``vlmrl.rollout.observations``).
+
+Deliberate limits: only ``data:`` image URLs are taken (the endpoint fetches
+nothing over the network), and no audio or file parts. Every refusal is a
+``RenderError`` whose message says what to change; the endpoint answers it with
+HTTP 400.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class RenderError(ValueError):
+    """A request the renderer cannot turn into tokens; the message is for the agent's author."""
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    """The chat template's output, generation prompt included."""
+    engine_ids: list[int]
+    """For the engine: one placeholder token per image."""
+    actor_ids: list[int]
+    """For the actor and the trace: each image's placeholder expanded to its patch tokens."""
+    images: list[Image.Image]
+    """The prompt's images, resized to the processor's grid, in placeholder order."""
+
+
+class ChatRenderer:
+    """Renders OpenAI chat messages and completion prompts with a model's processor and chat template."""
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        resize: Callable[[Image.Image], Image.Image],
+        chat_template: str | None = None,
+        template_has_tools: bool = False,
+        tools_message: Callable[[list[dict]], str] | None = None,
+        image_token: str = "<|image_pad|>",
+        vision_tokens: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    ):
+        """
+        Args:
+            processor: the model's processor (a tokenizer alone for a text model).
+            resize: an image -> the image on the processor's grid (the dataset's ``resize_to_grid`` with the
+                run's pixel bounds); the processor is then called with ``do_resize=False``, as the dataset does.
+            chat_template: a template to use instead of the processor's own.
+            template_has_tools: whether the template renders ``tools=`` (``vlmrl.data.chat.template_has_tools``).
+            tools_message: tools -> the system message that shows them, for templates that do not render them
+                (``vlmrl.data.chat.tools_system_message``); without it such a template refuses requests with tools.
+            image_token: the placeholder the template writes per image.
+            vision_tokens: tokens a completion prompt given as ids may not hold (it carries no images).
+        """
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.resize = resize
+        self.chat_template = chat_template
+        self.template_has_tools = template_has_tools
+        self.tools_message = tools_message
+        vocab = self.tokenizer.get_vocab()
+        self.image_token_id = vocab.get(image_token)
+        self.vision_token_ids = frozenset(vocab[t] for t in vision_tokens if t in vocab)
+
+    # ------------------------------------------------------------------ prompts
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedPrompt:
+        """An OpenAI ``messages`` list (and ``tools``) as the prompt of the model's next assistant turn."""
+        hf_messages, images = self.template_messages(messages, tools)
+        kwargs: dict[str, Any] = {}
+        if tools and self.template_has_tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.processor.apply_chat_template(
+                hf_messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template, **kwargs
+            )
+        except Exception as e:  # jinja's errors (a role or a content the template refuses) are the request's
+            raise RenderError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from e
+        images = [self._resize(image, n) for n, image in enumerate(images)]
+        engine_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        placeholders = engine_ids.count(self.image_token_id) if self.image_token_id is not None else 0
+        if placeholders != len(images):
+            raise RenderError(
+                f"the rendered prompt holds {placeholders} image placeholders for {len(images)} images; the text "
+                "must not contain the model's own vision tokens"
+            )
+        if not images:
+            return RenderedPrompt(text, engine_ids, list(engine_ids), [])
+        try:
+            out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+        except Exception as e:
+            raise RenderError(f"the processor rejected the images ({type(e).__name__}: {e})") from e
+        return RenderedPrompt(text, engine_ids, out["input_ids"][0].tolist(), images)
+
+    def completion(self, prompt: Any) -> RenderedPrompt:
+        """A ``/v1/completions`` prompt: one string, or one list of token ids; no images."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            text = prompt
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            ids = list(prompt)
+            text = self.tokenizer.decode(ids)
+        else:
+            raise RenderError("prompt must be one string or one non-empty list of token ids (batches are not served)")
+        if not ids:
+            raise RenderError("the prompt is empty")
+        vision = sorted(self.vision_token_ids.intersection(ids))
+        if vision:
+            raise RenderError(f"a completion prompt carries no images, but it holds vision tokens {vision}")
+        return RenderedPrompt(text, ids, list(ids), [])
+
+    # ------------------------------------------------------------------ messages
+
+    def template_messages(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[Image.Image]]:
+        """``messages`` in the chat template's format, and their images decoded (not yet resized), in order."""
+        if not isinstance(messages, list) or not messages:
+            raise RenderError("messages must be a non-empty list")
+        out: list[dict] = []
+        images: list[Image.Image] = []
+        merging_tools = False  # the last message out is a user turn made of tool results
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in _ROLES:
+                raise RenderError(f"messages[{n}]: a message needs a role among {sorted(_ROLES)}")
+            role = _ROLES[message["role"]]
+            content = self._content(message.get("content"), images, n)
+            if role != "tool":
+                merging_tools = False
+            if role == "assistant" and message.get("tool_calls"):
+                calls = [_tool_call(c, n) for c in message["tool_calls"]]
+                if self.template_has_tools:
+                    out.append(
+                        {
+                            "role": role,
+                            "content": content,
+                            "tool_calls": [{"type": "function", "function": c} for c in calls],
+                        }
+                    )
+                    continue
+                blocks = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+                content = _append_text(content, blocks)
+            if role == "tool" and not self.template_has_tools:
+                # Qwen2.5's text template's form: <tool_response> blocks in one user turn per run of results.
+                wrapped = _concat(_concat("<tool_response>\n", content), "\n</tool_response>")
+                if merging_tools:
+                    out[-1]["content"] = _concat(_concat(out[-1]["content"], "\n"), wrapped)
+                else:
+                    out.append({"role": "user", "content": wrapped})
+                merging_tools = True
+                continue
+            out.append({"role": role, "content": content})
+        if tools:
+            if not isinstance(tools, list):
+                raise RenderError("tools must be a list of tool schemas")
+            if not self.template_has_tools:
+                if self.tools_message is None:
+                    raise RenderError("this model's chat template does not render tools; the endpoint was given no "
+                                      "system message for them")  # fmt: skip
+                system = self.tools_message(tools)
+                if out[0]["role"] == "system":
+                    out[0] = {"role": "system", "content": _prepend_text(system + "\n\n", out[0]["content"])}
+                else:
+                    out.insert(0, {"role": "system", "content": system})
+        return out, images
+
+    def _content(self, content: Any, images: list[Image.Image], n: int) -> str | list[dict]:
+        """A message's content in the template's format: a string without images, items with them."""
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise RenderError(f"messages[{n}].content must be a string or a list of parts")
+        items: list[dict] = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                items.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(_decode_image(url, f"messages[{n}].content[{k}]"))
+                items.append({"type": "image"})
+            else:
+                raise RenderError(f"messages[{n}].content[{k}]: only text and image_url parts are served, not {kind!r}")
+        if not any(item["type"] == "image" for item in items):
+            return "".join(item["text"] for item in items)  # text templates render a string content only
+        return items
+
+    def _resize(self, image: Image.Image, n: int) -> Image.Image:
+        try:
+            return self.resize(image)
+        except Exception as e:
+            raise RenderError(f"image {n} cannot be used ({type(e).__name__}: {e})") from e
+
+
+def _decode_image(url: Any, where: str) -> Image.Image:
+    if not isinstance(url, str):
+        raise RenderError(f"{where}: image_url needs a url")
+    match = _DATA_URL.fullmatch(url.strip())
+    if match is None:
+        raise RenderError(f"{where}: only data:image/...;base64 URLs are served (the endpoint fetches nothing)")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
+        image.load()
+    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
+    return image.convert("RGB")
+
+
+def _tool_call(call: Any, n: int) -> dict:
+    """An OpenAI tool call as ``{"name", "arguments"}`` with the arguments as an object where they parse."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RenderError(f"messages[{n}].tool_calls: each call needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass  # kept as the model wrote it
+    return {"name": function["name"], "arguments": arguments}
+
+
+def _append_text(content: str | list[dict], text: str, sep: str = "\n") -> str | list[dict]:
+    if isinstance(content, str):
+        return f"{content}{sep}{text}" if content else text
+    return [*content, {"type": "text", "text": sep + text}]
+
+
+def _prepend_text(text: str, content: str | list[dict]) -> str | list[dict]:
+    if isinstance(content, str):
+        return text + content
+    return [{"type": "text", "text": text}, *content]
+
+
+def _concat(a: str | list[dict], b: str | list[dict]) -> str | list[dict]:
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    as_items = lambda c: [{"type": "text", "text": c}] if isinstance(c, str) else c
+    return [*as_items(a), *as_items(b)]
