@@ -1,7 +1,7 @@
 """What multi-turn rollouts cost beyond the engine's own work, and whether tool latency is hidden.
 
     python -m benchmarks.agent              # 32 prompts x 8 trajectories x 3 turns
-    python -m benchmarks.agent --smoke      # 2 x 2 x 2 turns
+    python -m benchmarks.agent --smoke      # 2 x 2 x 2 turns, one step (5-8 minutes on 2 busy cores)
 
 On the tiny Qwen2.5-VL (in process, no Ray), every trajectory calls a tool at
 every turn (the parser always reads a call), and the tool answers with a
@@ -16,7 +16,14 @@ It reports ``latency_ratio`` = (b) / (a), which concurrency should keep near
 1 (goal <= 1.15), and ``loop_overhead`` = (a) / (c), what the loop adds to
 generating the same tokens: rendering observations, tools, bookkeeping
 (goal <= 1.15). Each is the median over ``--repeats`` alternating runs, with
-its spread. Results go to ``<out>/agent.json``.
+its spread.
+
+Then (``--step``, on by default; ``--no-loop`` runs it alone) the multi-turn
+GRPO step through ``python -m vlmrl.main`` against the raw engines, as
+``benchmarks.step`` does for one turn: ``step_overhead`` = vlmrl's step /
+(raw vLLM on the same turn requests + raw HF log-prob passes + update), goal
+<= 1.15; see ``benchmarks.agent_step``. Results go to ``<out>/agent.json``
+and ``<out>/agent.md`` (``agent_smoke.*`` with ``--smoke``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks import agent_step
+from benchmarks.agent_step import Recording
+from benchmarks.agent_tools import always_call, card
+
 GOALS = {"latency_ratio": 1.15, "loop_overhead": 1.15}
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 
@@ -40,27 +51,9 @@ def wait_tool(seconds: float):
 
         if seconds:
             await asyncio.sleep(seconds)
-        return ToolResult(text=f"turn {context.turn}", images=[_card(context.turn)])
+        return ToolResult(text=f"turn {context.turn}", images=[card(context.turn)])
 
     return look
-
-
-def _card(index: int):
-    from PIL import Image
-
-    return Image.new("RGB", (56, 56), [(200, 30, 30), (30, 200, 30), (30, 30, 200)][index % 3])
-
-
-class Recording:
-    """An engine wrapper that keeps every ``generate`` call's requests, in order."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-        self.seed = engine.seed
-
-    def generate(self, requests):
-        self.calls.append(list(requests))
-        return self.engine.generate(requests)
 
 
 def main(argv=None) -> int:
@@ -70,12 +63,67 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens-per-turn", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="2 prompts x 2 x 2 turns of 4 tokens, one step")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--loop", action=argparse.BooleanOptionalAction, default=True,
+        help="the in-process agent loop: latency_ratio and loop_overhead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--step", action=argparse.BooleanOptionalAction, default=True,
+        help="the multi-turn GRPO step through vlmrl.main against the raw engines: step_overhead",
+    )  # fmt: skip
+    agent_step.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.turns, args.tokens_per_turn, args.repeats = 2, 2, 2, 4, 1
+        agent_step.smoke(args)
+    if args.part:
+        agent_step.run_part_main(args)
+        return 0
+    result = {}
+    # The step first: its parts run in processes of their own while this one holds no engine yet.
+    if args.step:
+        result["step"] = agent_step.run(args)
+    if args.loop:
+        result = {**loop_benchmark(args), **result}
+    name = "agent_smoke" if args.smoke else "agent"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(result))
+    print(json.dumps(result, indent=2))
+    print(markdown(result))
+    return 0
 
+
+def markdown(result: dict) -> str:
+    lines = []
+    if "latency_ratio" in result:
+        shape = result["shape"]
+        lines += [
+            (
+                f"Agent loop, in process: {shape['prompts']} prompts x {shape['n']} trajectories x "
+                f"{shape['turns']} turns of {shape['tokens_per_turn']} tokens; {result['mean_turns']:.2f} turns "
+                f"per trajectory."
+            ),
+            "",
+            "| metric | median | min | max | goal | met |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for k, goal in GOALS.items():
+            v = result[k]
+            lines.append(
+                f"| {k} | {v['median']:.3f} | {v['min']:.3f} | {v['max']:.3f} | <= {goal} | "
+                f"{'yes' if v['median'] <= goal else 'no'} |"
+            )
+        lines.append("")
+    if "step" in result:
+        lines.append(agent_step.markdown(result["step"]))
+    return "\n".join(lines)
+
+
+def loop_benchmark(args) -> dict:
+    """The in-process agent loop with an instant and a sleeping tool, and the engine replaying its requests."""
     from transformers import AutoConfig, AutoProcessor
 
     from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
@@ -85,7 +133,6 @@ def main(argv=None) -> int:
     from vlmrl.rollout.engine import Sampling
     from vlmrl.rollout.observations import ConversationRenderer
     from vlmrl.rollout.sampling import sampling_mask
-    from vlmrl.rollout.tool_parsers import ParsedTurn, ToolCall
     from vlmrl.rollout.tools import ToolRunner, tool_from_function
     from vlmrl.rollout.vllm_engine import VLLMEngine
     from vlmrl.testing.assets import ensure_tiny_assets
@@ -122,7 +169,7 @@ def main(argv=None) -> int:
         loop = AgentLoop(
             wrapped, renderer, limits, positions=MRope.from_config(config).positions,
             pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]), runner=ToolRunner([tool], 10.0),
-            parser=lambda text: ParsedTurn(calls=[ToolCall("look", {})]),
+            parser=always_call,
         )  # fmt: skip
         engine.llm.reset_prefix_cache()
         start = time.perf_counter()
@@ -157,12 +204,9 @@ def main(argv=None) -> int:
         "last_run_pieces_s": timings,
         **{k: {"median": statistics.median(v), "min": min(v), "max": max(v), "goal": f"<= {GOALS[k]}"} for k, v in ratios.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "agent.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
     del engine
     gc.collect()
-    return 0
+    return result
 
 
 if __name__ == "__main__":
