@@ -72,7 +72,10 @@ def close(actual, expected, atol=1e-5):
         ),
         (PolicyLossType, {"default", "gspo", "gspo_token", "cispo", "sapo"}),
         (KLControllerType, {"fixed", "adaptive"}),
-        (LossAvgMode, {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"}),
+        (
+            LossAvgMode,
+            {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "per_rollout_mean"},
+        ),
         (KLEstimator, {"kl", "abs", "mse", "low_var_kl", "full"}),
     ],
 )

@@ -35,6 +35,7 @@ def make_trajectory(i: int) -> Trajectory:
         data_source=f"source {i % 3}",
         row_index=100 + i,
         extra={"difficulty": i % 3, "id": f"row {i}"},
+        rollout_id=f"rollout {i // 3}" if i % 4 else "",
     )
 
 
@@ -61,6 +62,7 @@ def make_batch(b: int) -> Batch:
         values=rows[:, None].float() / 5 + torch.arange(R),
         token_level_rewards=rows[:, None].float() * torch.arange(R) / 2,
         returns=rows[:, None].float() / 9 + torch.arange(R),
+        rollout_shares=rows.float() / 11,
     )
 
 
@@ -75,6 +77,7 @@ SAMPLE_FACTS = (
     "row_indices",
     "images",
     "extra_fields",
+    "rollout_ids",
 )
 
 

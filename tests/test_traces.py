@@ -182,6 +182,7 @@ def test_row_converts_to_a_trajectory():
     assert t.prompt_length == 3 and t.group_id == 7 and t.sample_id == "a:0"
     assert t.turn_ends == [4, 7, 10] and t.num_turns == 3 and t.turn_rewards == [0.0, 0.0, 0.0]
     assert t.ground_truth == "42" and t.stop_reason == "stop"
+    assert t.rollout_id == "a" and t.rollout == "a"  # per_rollout_mean weighs the rollout's rows as one
     # Text positions: 0..n-1 on all three axes.
     assert torch.equal(t.position_ids, torch.arange(11).expand(3, 11))
 

@@ -27,9 +27,16 @@ class LossAvgMode(ConfigEnum):
     """How a ``(bs, L)`` per-token loss is reduced to a scalar (see ``aggregate_loss``)."""
 
     token_mean = "token_mean"
+    """Every trained token weighs the same (DAPO)."""
     seq_mean_token_mean = "seq_mean_token_mean"
+    """Every row weighs the same: the mean of the rows' token means (GRPO)."""
     seq_mean_token_sum = "seq_mean_token_sum"
+    """The mean of the rows' token sums."""
     seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
+    """The token sum over a constant: rows x the max response length (Dr.GRPO)."""
+    per_rollout_mean = "per_rollout_mean"
+    """Every rollout weighs the same, whatever its number of rows and tokens (an agent's rollout may span
+    several rows); with one row per rollout, seq_mean_token_mean."""
 
     @classmethod
     def _missing_(cls, value: object) -> LossAvgMode:
@@ -63,18 +70,35 @@ def aggregate_loss(
     mask: torch.Tensor,
     mode: LossAvgMode | str,
     norm_len: int | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
-    With ``m`` the mask, ``n_i = sum_t m_{i,t}`` and ``N = sum_i n_i``::
+    With ``m`` the mask, ``n_i = sum_t m_{i,t}``, ``N = sum_i n_i`` and ``s_i`` the row weights::
 
         token_mean               sum_{i,t} m l / N                    (DAPO, Yu et al. 2025, eq. 8)
         seq_mean_token_mean      1/bs sum_i (sum_t m l) / n_i         (GRPO paper, eq. 3)
         seq_mean_token_sum       1/bs sum_i  sum_t m l
         seq_mean_token_sum_norm  sum_{i,t} m l / (bs * norm_len)      (Dr.GRPO, Liu et al. 2025)
+        per_rollout_mean         sum_i s_i (sum_t m l) / n_i  /  sum_i s_i
 
     Every one of the ``bs`` rows counts as a sequence; a row with ``n_i = 0``
     contributes 0. An all-zero mask gives 0.
+
+    ``per_rollout_mean`` is for rollouts that span several rows (an external
+    agent's calls, ``vlmrl.algos.rollout_credit``). ``s_i`` is row ``i``'s
+    share of its rollout ``r``: ``n_i / N_r``, with ``N_r`` the trained tokens
+    of all of ``r``'s rows (``rollout_credit.rollout_row_shares``), so a
+    rollout's shares sum to 1. Over rows that hold whole rollouts, ``R`` of them::
+
+        sum_{i in r} s_i (sum_t m l) / n_i = 1/N_r sum_{i in r, t} m l     the rollout's token mean
+        sum_i s_i                          = R
+        loss = 1/R sum_r 1/N_r sum_{i in r, t} m l                          the mean over rollouts
+
+    whatever the number of rows and tokens of each rollout. A rollout whose rows
+    fall into several mini-batches counts in each by its share of tokens there.
+    With one row per rollout every ``s_i = 1`` and this is seq_mean_token_mean
+    (``row_weights=None`` means that: each row is a rollout of its own).
 
     Args:
         loss_mat: ``(bs, L)`` per-token loss.
@@ -82,6 +106,8 @@ def aggregate_loss(
         mode: a ``LossAvgMode`` or its string value.
         norm_len: the constant length for ``seq_mean_token_sum_norm`` (the max
             response length); ``None`` uses ``L``. Ignored by other modes.
+        row_weights: ``(bs,)`` the ``s_i`` of ``per_rollout_mean``; ``None``: all 1.
+            Ignored by other modes.
 
     Returns:
         Scalar loss.
@@ -98,25 +124,45 @@ def aggregate_loss(
         if norm_len <= 0:
             raise ValueError(f"norm_len must be positive; got {norm_len}")
         return masked_sum(loss_mat, mask) / (loss_mat.shape[0] * norm_len)
+    if mode is LossAvgMode.per_rollout_mean:
+        seq = masked_mean(loss_mat, mask, dim=-1)  # (bs,) each row's token mean
+        if row_weights is None:
+            return seq.mean()
+        if row_weights.shape != seq.shape:
+            raise ValueError(f"row_weights must be (bs,) = {tuple(seq.shape)}; got {tuple(row_weights.shape)}")
+        w = row_weights.to(seq)  # (bs,)
+        # Rows that are all share-0 (no trained token) give 0, not 0/0: the clamp never moves a real sum.
+        return (seq * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
     raise AssertionError(f"unhandled LossAvgMode {mode}")  # every enum value is handled above
 
 
-def aggregation_weight(mask: torch.Tensor, mode: LossAvgMode | str) -> torch.Tensor:
-    """What ``aggregate_loss`` divides by, up to a constant: tokens for token_mean, rows otherwise.
+def aggregation_weight(
+    mask: torch.Tensor, mode: LossAvgMode | str, row_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What ``aggregate_loss`` divides by, up to a constant: tokens for token_mean, the row weights'
+    sum for per_rollout_mean, rows otherwise.
 
     A loss aggregated over a micro-batch and scaled by ``weight(micro) /
     weight(mini-batch)`` sums, over the micro-batches, to the loss aggregated
     over the whole mini-batch, so gradient accumulation reproduces the
-    full-batch gradient exactly, ragged lengths included.
+    full-batch gradient exactly, ragged lengths included. For per_rollout_mean
+    ``aggregate_loss(micro) * sum_{i in micro} s_i = sum_{i in micro} s_i (sum_t m l) / n_i``,
+    a sum over rows, so the pieces add up when the ``s_i`` were computed over
+    the whole mini-batch (or more) before it was split.
 
     Args:
         mask: ``(bs, L)``.
+        mode: a ``LossAvgMode`` or its string value.
+        row_weights: ``(bs,)`` per_rollout_mean's ``s_i`` (see ``aggregate_loss``); ``None``: all 1.
 
     Returns:
         A float scalar tensor.
     """
-    if LossAvgMode(mode) is LossAvgMode.token_mean:
+    mode = LossAvgMode(mode)
+    if mode is LossAvgMode.token_mean:
         return mask.float().sum()
+    if mode is LossAvgMode.per_rollout_mean and row_weights is not None:
+        return row_weights.detach().double().sum().float()
     return torch.tensor(float(mask.shape[0]))
 
 
@@ -140,6 +186,9 @@ class PolicyLossParams:
     loss_avg_mode: LossAvgMode = LossAvgMode.token_mean
     norm_len: int | None = None
     """The constant length of ``seq_mean_token_sum_norm`` (max response length)."""
+    row_weights: torch.Tensor | None = None
+    """``(bs,)`` per_rollout_mean: each row's share of its rollout (``aggregate_loss``); None: each row is a
+    rollout. Not a knob: the update sets it per micro-batch, from the rows' ``Batch.rollout_shares``."""
 
     def __post_init__(self):
         if self.clip_ratio_dual is not None and self.clip_ratio_dual <= 1.0:
@@ -172,7 +221,7 @@ def _clipped_surrogate(
         loss = torch.where(dual_active, dual_cap, loss)
     else:
         dual_active = torch.zeros_like(negative)
-    pg_loss = aggregate_loss(loss, response_mask, params.loss_avg_mode, params.norm_len)
+    pg_loss = aggregate_loss(loss, response_mask, params.loss_avg_mode, params.norm_len, params.row_weights)
     with torch.no_grad():
         metrics = {
             "pg_loss": pg_loss.detach(),
@@ -209,7 +258,7 @@ def policy_loss_ppo_clip(
         log_prob: ``(bs, L)`` log-probs under the current policy.
         advantages: ``(bs, L)``.
         response_mask: ``(bs, L)`` 1 on valid response tokens.
-        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len.
+        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len, row_weights.
 
     Returns:
         ``(loss, metrics)``: scalar loss, and detached scalar tensors (means over valid tokens):
@@ -252,7 +301,7 @@ def policy_loss_gspo(
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``(bs, L)``.
-        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len.
+        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len, row_weights.
 
     Returns:
         ``(loss, metrics)`` as ``policy_loss_ppo_clip`` (clip fractions count tokens).
@@ -282,7 +331,7 @@ def policy_loss_gspo_token(
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``(bs, L)``.
-        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len.
+        params: clip_ratio_low/high/dual, loss_avg_mode, norm_len, row_weights.
 
     Returns:
         ``(loss, metrics)`` as ``policy_loss_ppo_clip``.
@@ -312,7 +361,7 @@ def policy_loss_cispo(
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``(bs, L)``.
-        params: clip_ratio_low/high, loss_avg_mode, norm_len.
+        params: clip_ratio_low/high, loss_avg_mode, norm_len, row_weights.
 
     Returns:
         ``(loss, metrics)``: ``pg_loss``, ``ppo_kl``, and ``pg_clipfrac_higher`` /
@@ -323,7 +372,7 @@ def policy_loss_cispo(
     low, high = 1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high
     weight = ratio.clamp(low, high).detach()  # (bs, L)
     loss = -advantages * weight * log_prob  # (bs, L)
-    pg_loss = aggregate_loss(loss, response_mask, params.loss_avg_mode, params.norm_len)
+    pg_loss = aggregate_loss(loss, response_mask, params.loss_avg_mode, params.norm_len, params.row_weights)
     with torch.no_grad():
         metrics = {
             "pg_loss": pg_loss.detach(),
@@ -354,7 +403,7 @@ def policy_loss_sapo(
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``(bs, L)``.
-        params: tau_positive, tau_negative, loss_avg_mode, norm_len.
+        params: tau_positive, tau_negative, loss_avg_mode, norm_len, row_weights.
 
     Returns:
         ``(loss, metrics)``: ``pg_loss`` and ``ppo_kl``.
@@ -363,7 +412,8 @@ def policy_loss_sapo(
     ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
     tau = torch.where(advantages >= 0, params.tau_positive, params.tau_negative).to(ratio.dtype)  # (bs, L)
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))  # (bs, L)
-    pg_loss = aggregate_loss(-advantages * gate, response_mask, params.loss_avg_mode, params.norm_len)
+    loss = -advantages * gate  # (bs, L)
+    pg_loss = aggregate_loss(loss, response_mask, params.loss_avg_mode, params.norm_len, params.row_weights)
     with torch.no_grad():
         metrics = {"pg_loss": pg_loss.detach(), "ppo_kl": masked_mean(-log_ratio, response_mask)}
     return pg_loss, metrics
@@ -390,6 +440,7 @@ def value_loss_clipped(
     cliprange_value: float,
     loss_avg_mode: LossAvgMode | str,
     norm_len: int | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss (Schulman et al. 2017 as implemented in OpenAI baselines' ppo2).
 
@@ -408,7 +459,7 @@ def value_loss_clipped(
         old_values: ``(bs, L)`` the critic's predictions when the batch was made.
         response_mask: ``(bs, L)``.
         cliprange_value: the clip range.
-        loss_avg_mode, norm_len: as ``aggregate_loss``.
+        loss_avg_mode, norm_len, row_weights: as ``aggregate_loss``.
 
     Returns:
         ``(loss, metrics)``: ``vf_loss``, ``vf_clipfrac`` (share of tokens where the
@@ -417,7 +468,8 @@ def value_loss_clipped(
     v_clip = old_values + (values_pred - old_values).clamp(-cliprange_value, cliprange_value)
     err = (values_pred - returns).square()  # (bs, L)
     err_clipped = (v_clip - returns).square()  # (bs, L)
-    loss = 0.5 * aggregate_loss(torch.maximum(err, err_clipped), response_mask, loss_avg_mode, norm_len)
+    worst = torch.maximum(err, err_clipped)  # (bs, L)
+    loss = 0.5 * aggregate_loss(worst, response_mask, loss_avg_mode, norm_len, row_weights)
     with torch.no_grad():
         metrics = {
             "vf_loss": loss.detach(),

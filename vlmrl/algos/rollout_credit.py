@@ -9,9 +9,10 @@ would weigh three times as much in the loss. So, as in Agent Lightning:
 * ``rollout_advantages``: the group estimator runs on one entry per rollout,
   grouped by task, and each rollout's advantage is broadcast to every trained
   token of its rows.
-* ``per_rollout_weights``: per-token loss weights under which every rollout
-  weighs the same whatever its number of rows and tokens
-  (``loss_avg_mode=per_rollout_mean``).
+* ``rollout_row_shares``: each row's share of its rollout, the row weights
+  of ``loss_avg_mode=per_rollout_mean`` (``vlmrl.algos.losses.aggregate_loss``),
+  under which every rollout weighs the same whatever its number of rows and
+  tokens; ``per_rollout_weights`` writes the same loss as per-token weights.
 * ``trim_to_mini_batches``: rows to drop to fill whole mini-batches, rows of
   groups that teach nothing first.
 * ``MULTI_ROW_UNSUPPORTED``: the estimators that cannot work this way, and why.
@@ -158,6 +159,46 @@ def rollout_token_counts(rollout_ids: Sequence[str], response_mask: torch.Tensor
     for rid, n in zip(rollout_ids, per_row.tolist()):
         counts[rid] = counts.get(rid, 0) + int(n)
     return counts
+
+
+def rollout_row_shares(rollout_ids: Sequence[str], row_tokens: Sequence[int]) -> torch.Tensor:
+    """Each row's share of its rollout: the row weights ``s_i`` of ``loss_avg_mode=per_rollout_mean``.
+
+    With ``n_i`` the trained tokens of row ``i``, ``N_r`` the sum of ``n_i``
+    over the rows of rollout ``r`` and ``k_r`` their number::
+
+        s_i = n_i / N_{r(i)}      when N_r > 0
+        s_i = 1 / k_{r(i)}        when rollout r has no trained token
+
+    Every rollout's shares sum to 1, so in ``aggregate_loss`` each rollout
+    weighs 1 whatever its number of rows and tokens, and a row that is a
+    rollout of its own gets 1 (seq_mean_token_mean). In per-token form
+    ``s_i / n_i = 1 / N_r`` on every trained token of ``r``: ``per_rollout_weights``
+    up to the constant ``1 / R``. A rollout without trained tokens keeps its
+    weight in the denominator, as seq_mean_token_mean counts an empty row.
+
+    The shares must be computed over every row the loss will see, before the
+    rows are split into micro-batches and workers: the training update gathers
+    the rows of all workers (``vlmrl.train.update_loop.rollout_shares``).
+
+    Args:
+        rollout_ids: ``(bs,)`` each row's rollout.
+        row_tokens: ``(bs,)`` each row's trained tokens ``n_i`` (its response mask's sum).
+
+    Returns:
+        ``(bs,)`` float64.
+    """
+    if len(rollout_ids) != len(row_tokens):
+        raise ValueError(f"one rollout id and one token count per row; got {len(rollout_ids)} and {len(row_tokens)}")
+    tokens: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for rid, n in zip(rollout_ids, row_tokens):
+        if n < 0:
+            raise ValueError(f"rollout {rid}: a row with {n} trained tokens")
+        tokens[rid] = tokens.get(rid, 0) + int(n)
+        rows[rid] = rows.get(rid, 0) + 1
+    shares = [int(n) / tokens[rid] if tokens[rid] else 1.0 / rows[rid] for rid, n in zip(rollout_ids, row_tokens)]
+    return torch.tensor(shares, dtype=torch.float64)
 
 
 def per_rollout_weights(

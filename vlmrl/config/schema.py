@@ -260,7 +260,9 @@ class ActorConfig:
     clip_ratio_dual: float = 3.0
     """Dual-clip constant: for negative advantages the ratio term is capped at this."""
     loss_avg_mode: LossAvgMode = LossAvgMode.token_mean
-    """How per-token losses become a scalar; EasyR1's token and seq are accepted."""
+    """How per-token losses become a scalar; EasyR1's token and seq are accepted. vlmrl addition:
+    per_rollout_mean weighs every rollout the same when an agent's rollout spans several rows (with one row per
+    rollout it is seq_mean_token_mean)."""
     loss_type: PolicyLossType = PolicyLossType.default
     """The policy objective."""
     ppo_epochs: int = 1

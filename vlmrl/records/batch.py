@@ -68,6 +68,9 @@ class Batch:
     """(B, R)."""
     returns: torch.Tensor | None = None
     """(B, R) the estimator's returns: the critic's regression target under GAE."""
+    rollout_shares: torch.Tensor | None = None
+    """(B,) ``loss_avg_mode=per_rollout_mean``: each row's share of its rollout's trained tokens over the rows of
+    the update on every worker (1 for a row that is a rollout of its own); the actor's update sets it."""
 
     def __len__(self) -> int:
         return self.responses.shape[0]
@@ -81,6 +84,11 @@ class Batch:
     @property
     def sample_ids(self) -> list[str]:
         return [t.sample_id for t in self.trajectories]
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        """Each row's rollout (``Trajectory.rollout``): rows of one agent rollout share it."""
+        return [t.rollout for t in self.trajectories]
 
     @property
     def mm_inputs(self) -> list[dict[str, torch.Tensor]]:

@@ -90,6 +90,14 @@ class Trajectory:
     """How many of ``media`` are the prompt's (the rest came from tools or the environment); -1: all of them."""
     render_mismatch: bool = False
     """Multi-turn: the token ids differ from a full re-render of the conversation by the chat template."""
+    rollout_id: str = ""
+    """The rollout this row belongs to when one rollout spans several rows (an external agent's calls); ""
+    makes the row a rollout of its own. ``loss_avg_mode=per_rollout_mean`` weighs rollouts, not rows."""
+
+    @property
+    def rollout(self) -> str:
+        """The rollout id, or the sample id for a row that is a rollout of its own."""
+        return self.rollout_id or self.sample_id
 
     @property
     def num_turns(self) -> int:

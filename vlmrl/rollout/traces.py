@@ -158,6 +158,7 @@ class TraceRow:
             turn_ends=list(self.turn_ends),
             turn_rewards=[0.0] * len(self.turn_ends),
             stop_reason=self.finish_reason,
+            rollout_id=self.rollout_id,  # rows of one rollout weigh as one under loss_avg_mode=per_rollout_mean
             **fields,
         )
 

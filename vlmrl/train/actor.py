@@ -14,19 +14,20 @@ padding-free, on its real tokens packed into one row (``vlmrl.train.packing``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from vlmrl import algos
-from vlmrl.algos import DecoupledParams, KLEstimator, PolicyLossParams, PolicyLossType
+from vlmrl.algos import DecoupledParams, KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs
-from vlmrl.train.update_loop import run_epochs
+from vlmrl.train.update_loop import rollout_shares, run_epochs
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -212,6 +213,11 @@ def update_policy(
     1, the on-policy GRPO gradient) and no separate pass is needed. They are
     returned with their entropy for the step's metrics. Otherwise the batch
     must carry ``old_log_probs``.
+
+    ``loss_avg_mode=per_rollout_mean``: each row's share of its rollout is
+    counted first over the rows of every worker (``update_loop.rollout_shares``,
+    a collective) and travels with the rows into every micro-batch, whose
+    losses weigh their rows by it.
     """
     batch.require("advantages")
     if old_from_forward and (settings.ppo_epochs != 1 or len(batch) > settings.samples_per_update):
@@ -231,6 +237,8 @@ def update_policy(
     policy_loss = algos.POLICY_LOSSES[settings.loss_type]
     params = settings.loss_params
     mode, norm_len = params.loss_avg_mode, params.norm_len
+    if mode is LossAvgMode.per_rollout_mean:  # a new Batch: the caller's is left as it was
+        batch = dataclasses.replace(batch, rollout_shares=rollout_shares(batch))
     tokens = TokenCount()
 
     def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,20 +253,22 @@ def update_policy(
             own_log_probs[rows], own_entropy[rows] = old_log_probs.cpu(), entropy.detach().cpu()
         else:
             old_log_probs = mb.old_log_probs.to(device)
+        row_weights = None if mb.rollout_shares is None else mb.rollout_shares.to(device)  # per_rollout_mean
+        mb_params = params if row_weights is None else dataclasses.replace(params, row_weights=row_weights)
         if settings.decoupled is None:
-            pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, mb.advantages.to(device), mask, params)
+            pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, mb.advantages.to(device), mask, mb_params)
         else:  # the old log-probs are the proximal policy; the weight old / behaviour corrects for the sampler
             pg_loss, pg_metrics = algos.policy_loss_decoupled(
-                mb.rollout_log_probs.to(device), old_log_probs, log_probs, mb.advantages.to(device), mask, params,
+                mb.rollout_log_probs.to(device), old_log_probs, log_probs, mb.advantages.to(device), mask, mb_params,
                 settings.decoupled,
             )  # fmt: skip
         loss = pg_loss
-        entropy_mean = algos.aggregate_loss(entropy, mask, mode, norm_len)
+        entropy_mean = algos.aggregate_loss(entropy, mask, mode, norm_len, row_weights)
         if settings.entropy_coeff != 0:
             loss = loss - settings.entropy_coeff * entropy_mean
         if settings.use_kl_loss:
             kl = algos.kl_penalty(log_probs, mb.ref_log_probs.to(device), settings.kl_estimator)
-            kl_loss = algos.aggregate_loss(kl, mask, mode, norm_len)
+            kl_loss = algos.aggregate_loss(kl, mask, mode, norm_len, row_weights)
             loss = loss + settings.kl_coef * kl_loss
             sums["actor/kl_loss"].append(kl_loss.item())
         for key, value in pg_metrics.items():

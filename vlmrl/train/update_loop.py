@@ -1,9 +1,15 @@
 """The update loop the actor and the critic share: epochs over mini-batches, exact gradient accumulation.
 
 Each micro-batch's loss is weighted by its share of the global mini-batch's
-aggregation weight (tokens for token_mean, sequences otherwise), so
-(micro-batches, accumulation) gives the gradient of (full batch, none), on one
-worker or many. A non-finite gradient norm skips that optimizer step.
+aggregation weight (tokens for token_mean, the rows' rollout shares for
+per_rollout_mean, sequences otherwise), so (micro-batches, accumulation) gives
+the gradient of (full batch, none), on one worker or many. A non-finite
+gradient norm skips that optimizer step.
+
+per_rollout_mean needs each row's share of its rollout counted over every row
+of the update, whichever worker holds it: ``rollout_shares`` gathers the rows'
+rollout ids and token counts from all workers once per update, before the
+rows are cut into mini- and micro-batches.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.distributed as dist
 
 from vlmrl import algos
 from vlmrl.algos import LossAvgMode
+from vlmrl.algos.rollout_credit import rollout_row_shares
 from vlmrl.records import Batch
 from vlmrl.train.micro_batches import MicroBatching, all_reduce
 
@@ -23,17 +30,39 @@ MicroLoss = Callable[[Batch, list[int], dict[str, list[float]]], tuple[torch.Ten
 """``(micro-batch, its rows in the mini-batch, metric lists) -> (loss, loss mask)``; appends its metrics."""
 
 
-def global_weight(mask: torch.Tensor, mode: LossAvgMode) -> tuple[torch.Tensor, int]:
+def global_weight(
+    mask: torch.Tensor, mode: LossAvgMode, row_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
     """``(sum of aggregation weights over every worker's mini-batch, world size)``.
 
     A micro-batch's loss scaled by ``world * weight(micro) / global`` makes the
     accumulated, FSDP-averaged gradient equal the gradient of the loss
     aggregated over the whole global mini-batch, ragged lengths included.
+    ``row_weights``: per_rollout_mean's rollout shares of this worker's rows.
     """
-    weight = algos.aggregation_weight(mask, mode)
+    weight = algos.aggregation_weight(mask, mode, row_weights)
     if dist.is_available() and dist.is_initialized():
         return all_reduce(weight, dist.ReduceOp.SUM), dist.get_world_size()
     return weight, 1
+
+
+def rollout_shares(batch: Batch) -> torch.Tensor:
+    """``(b,)`` float32: each row's share of its rollout over the rows of every worker; a collective.
+
+    Every worker gathers all workers' ``(rollout id, trained tokens)`` per row,
+    so a rollout whose rows were dealt to several workers is counted whole, and
+    all workers compute the same shares (``rollout_credit.rollout_row_shares``).
+    """
+    mine = (batch.rollout_ids, batch.response_mask.sum(dim=1).tolist())
+    if dist.is_available() and dist.is_initialized():
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        rank = dist.get_rank()
+    else:
+        parts, rank = [mine], 0
+    shares = rollout_row_shares([i for ids, _ in parts for i in ids], [n for _, ns in parts for n in ns])
+    start = sum(len(ids) for ids, _ in parts[:rank])
+    return shares[start : start + len(batch)].float()
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
@@ -65,19 +94,25 @@ def run_epochs(
     """``epochs`` passes over ``batch`` in mini-batches of ``samples_per_update``, one optimizer step each.
 
     Returns the per-micro-batch metric lists (``<prefix>/grad_norm`` per
-    optimizer step among them) and the number of skipped steps.
+    optimizer step among them) and the number of skipped steps. With
+    per_rollout_mean the batch carries ``rollout_shares`` (``rollout_shares``),
+    and ``micro_loss`` must aggregate with the micro-batch's.
     """
+    if mode is LossAvgMode.per_rollout_mean:
+        batch.require("rollout_shares")
     sums: dict[str, list[float]] = defaultdict(list)
     skipped = 0
     model.train()
     for _ in range(epochs):
         for mini in batch.split(samples_per_update):
-            total, world = global_weight(mini.response_mask, mode)
+            total, world = global_weight(mini.response_mask, mode, mini.rollout_shares)
             optimizer.zero_grad(set_to_none=True)
             for rows in batching.groups(mini):
-                loss, mask = micro_loss(mini.select(rows), rows, sums)
+                micro = mini.select(rows)
+                loss, mask = micro_loss(micro, rows, sums)
                 device = loss.device
-                (loss * (world * algos.aggregation_weight(mask, mode) / total.to(device))).backward()
+                weight = algos.aggregation_weight(mask, mode, micro.rollout_shares)
+                (loss * (world * weight / total.to(device))).backward()
             grad_norm, stepped = clip_and_step(model, optimizer, max_grad_norm)
             skipped += not stepped
             sums[f"{prefix}/grad_norm"].append(grad_norm)

@@ -29,6 +29,7 @@ from vlmrl.validate.features import (
     estimator_problems,
     kl_problems,
     lora_problems,
+    loss_mode_problems,
     not_supported_yet,
 )
 from vlmrl.validate.files import checkpoint_problems, logger_problems, model_problems, path_problems
@@ -67,6 +68,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *schedule_problems(config),
         *kl_problems(config.algorithm),
         *estimator_problems(config),
+        *loss_mode_problems(config),
         *lora_problems(config),
         *device_problems(config, cluster),
         *validation_problems(config),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator
+from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator, LossAvgMode
 from vlmrl.config import AlgorithmConfig, Config, Device
 from vlmrl.plan import Cluster, device, uses_critic, uses_reference, weights_dtype, world_size
 
@@ -16,6 +16,7 @@ __all__ = [
     "estimator_problems",
     "kl_problems",
     "lora_problems",
+    "loss_mode_problems",
     "not_supported_yet",
 ]
 
@@ -100,6 +101,23 @@ def estimator_problems(config: Config) -> list[str]:
             "a token the engine and the actor agree on)"
         )
     return problems
+
+
+def loss_mode_problems(config: Config) -> list[str]:
+    """Loss aggregation modes a loss cannot honour.
+
+    ``per_rollout_mean`` is valid for every actor: a row without a rollout id is
+    a rollout of its own, so with one row per rollout it is seq_mean_token_mean.
+    The critic's update does not weigh its rows by rollout.
+    """
+    critic = config.worker.critic
+    if uses_critic(config) and critic.loss_avg_mode is LossAvgMode.per_rollout_mean:
+        return [
+            "worker.critic.loss_avg_mode=per_rollout_mean: the critic's value loss does not weigh its rows by "
+            "rollout (only the actor's update does); set worker.critic.loss_avg_mode=seq_mean_token_mean, which "
+            "is the same when every rollout is one row, as it is under GAE"
+        ]
+    return []
 
 
 def lora_problems(config: Config) -> list[str]:
