@@ -27,15 +27,23 @@ from pathlib import Path
 from vlmrl.testing import sft, synthetic
 
 QUESTION = "<image>What colour is the shape? The picture is covered; reveal shows it. Answer with one word."
-TOOL_CALL = '<tool_call>{"name": "reveal"}</tool_call>'
+TOOL_CALL = "<tool_call>reveal</tool_call>"
+"""The call the start is tuned to write: the quickstart's own format (examples/agent_tools.py:parse_named), 5 tokens
+once the tags are tokens of their own."""
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
 TOOL_TEXT = "the picture"
 N_TRAIN, N_VAL = 1024, 128
-STEPS, BATCH_SIZE, LR = 120, 16, 1e-3
-CALL_SHARE = 0.8
-"""The share of tuning examples that are tool turns: a call on the prompt, or a colour after the tool's answer,
-half each; the rest are colours given at once. The tuned model then calls reveal on most prompts (a tiny
-model's first RL steps need most samples on the path that can learn), and still answers at once now and then,
-the choice RL has to settle."""
+STEPS, BATCH_SIZE, LR = 150, 16, 1e-3
+FIRST_TURN_SHARE, FIRST_TURN_CALL = 0.8, 0.9
+"""Of the tuning examples, ``FIRST_TURN_SHARE`` are first turns, of which ``FIRST_TURN_CALL`` call reveal and the rest
+name a colour at once; the others are the turn after the tool's answer (a colour, whatever the picture).
+
+Why these shares (each was tried): a start that called on about half the prompts left the choice to chance, since
+calling pays no more than guessing until the model reads the tool's picture; GRPO's noisy early updates drove
+calls to 0 at lr 1e-3, and a policy that never calls has no way back. Calling on most prompts puts most samples
+on the path that can learn. The after-tool colours are few because every one of them teaches the model that the
+picture does not matter: 2,400 of them (300 steps at half the examples) left a start that did not learn to read
+the picture in 20 RL steps, where the single-turn quickstart's start, tuned on 640, does."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     processor = AutoProcessor.from_pretrained(model_dir)
     tokenizer = processor.tokenizer
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    add_tool_call_tokens(processor, model)
     rng = random.Random(f"agent:format:{seed}")
     pictures = [synthetic.shape_colour_sample(rng).image for _ in range(64)]
     covered = synthetic.blanked(synthetic.shape_colour_sample(rng)).image
@@ -136,13 +145,13 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
             texts, images, targets = [], [], []
             for _ in range(BATCH_SIZE):
                 answer = rng.choice(colours) + tokenizer.eos_token
-                kind = rng.random()
-                if kind < CALL_SHARE / 2:  # the first turn: a call
+                first_turn, call = rng.random() < FIRST_TURN_SHARE, rng.random() < FIRST_TURN_CALL
+                if first_turn and call:
                     text, shown, target = prompt, [covered], TOOL_CALL + tokenizer.eos_token
-                elif kind < CALL_SHARE:  # the turn after the tool: a colour, whatever the picture
-                    text, shown, target = prompt + after_call, [covered, rng.choice(pictures)], answer
-                else:  # the first turn: a colour at once
+                elif first_turn:  # a colour at once
                     text, shown, target = prompt, [covered], answer
+                else:  # the turn after the tool: a colour, whatever the picture
+                    text, shown, target = prompt + after_call, [covered, rng.choice(pictures)], answer
                 texts.append(text + target)
                 images += [grid(i) for i in shown]
                 targets.append(len(tokenizer.encode(target)))
@@ -153,6 +162,23 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def add_tool_call_tokens(processor, model) -> None:
+    """Give the tokenizer ``<tool_call>`` and ``</tool_call>`` as single tokens, as Qwen's own tokenizers have them.
+
+    The tiny byte-level BPE was trained on a corpus without them, so each tag cost 9 tokens and the call 32,
+    one letter at a time, exactly the per-turn cap: at temperature 1 a call then rarely came out whole, and RL
+    had 32 tokens of letters to keep intact before any colour could pay. As added tokens (not special ones, so
+    vLLM's decoding keeps them in the text the parser reads) the call is 16 tokens. The embedding and output
+    rows of the two new ids start at the mean of the others (transformers' resize) and are then tuned.
+    """
+    from tokenizers import AddedToken
+
+    tokenizer = processor.tokenizer
+    added = tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_CALL_TAGS])
+    if added:
+        model.resize_token_embeddings(len(tokenizer))
 
 
 def build_agent_assets(root: Path, base_model_dir: Path) -> AgentAssets:
@@ -180,7 +206,7 @@ def agent_version() -> str:
     # model's assets) and chat.py's system message decide it, not the renderer's source.
     return assets._version(
         (synthetic, chat, sft, sys.modules[__name__]),
-        f"{assets.assets_version()}:{N_TRAIN}:{N_VAL}:{STEPS}:{BATCH_SIZE}:{LR}:{CALL_SHARE}",
+        f"{assets.assets_version()}:{N_TRAIN}:{N_VAL}:{STEPS}:{BATCH_SIZE}:{LR}:{FIRST_TURN_SHARE}:{FIRST_TURN_CALL}",
     )
 
 
