@@ -170,8 +170,9 @@ def add_tool_call_tokens(processor, model) -> None:
     The tiny byte-level BPE was trained on a corpus without them, so each tag cost 9 tokens and the call 32,
     one letter at a time, exactly the per-turn cap: at temperature 1 a call then rarely came out whole, and RL
     had 32 tokens of letters to keep intact before any colour could pay. As added tokens (not special ones, so
-    vLLM's decoding keeps them in the text the parser reads) the call is 16 tokens. The embedding and output
-    rows of the two new ids start at the mean of the others (transformers' resize) and are then tuned.
+    vLLM's decoding keeps them in the text the parser reads) the JSON call is 16 tokens and the bare-name call
+    ``TOOL_CALL`` 5. The embedding and output rows of the two new ids start at the mean of the others
+    (transformers' resize) and are then tuned.
     """
     from tokenizers import AddedToken
 
