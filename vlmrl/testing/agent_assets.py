@@ -1,12 +1,18 @@
 """The agent quickstart's task, tool and starting model: the colour can only be seen through a tool.
 
-Each row shows a covered picture (a blank canvas) and asks for the colour of
-the shape in it. The ``reveal`` tool (examples/agent_tools.py) answers with
-the real picture, kept in the row's ``hidden`` column. A policy that answers
-at once is right by chance (1 in 4); one that calls ``reveal`` and reads the
-colour off the tool's image can be right every time. The blank-tool
-baseline (``reveal_blank``) shows another covered picture, so calling the
-tool there cannot help.
+Each row asks for the colour of a shape whose picture is hidden: the prompt
+has no image. The ``reveal`` tool (examples/agent_tools.py) answers with the
+picture, kept in the row's ``hidden`` column. A policy that answers at once is
+right by chance (1 in 4); one that calls ``reveal`` and reads the colour off
+the tool's image can be right every time. The blank-tool baseline
+(``reveal_blank``) shows a blank canvas, so calling the tool there cannot help.
+
+Why no covered picture in the prompt (the first design had one): with it, the
+policy never learned to read the tool's picture (validation at 0.23 for 32 steps
+at lr 1e-3, with every sample calling), although the same start learned it
+under supervision in 40 steps; without it, validation reached 0.55 by step 24.
+A likely reason: the call's tokens came after the covered picture, so their
+noisy advantages reached the vision tower through it.
 
 The starting model is the tiny random VLM tuned for format only, as the
 single-turn quickstart's is (``vlmrl.testing.format_tune``): on the prompt it
@@ -26,7 +32,7 @@ from pathlib import Path
 
 from vlmrl.testing import sft, synthetic
 
-QUESTION = "<image>What colour is the shape? The picture is covered; reveal shows it. Answer with one word."
+QUESTION = "What colour is the shape? The picture is hidden; reveal shows it. Answer with one word."
 TOOL_CALL = "<tool_call>reveal</tool_call>"
 """The call the start is tuned to write: the quickstart's own format (examples/agent_tools.py:parse_named), 5 tokens
 once the tags are tokens of their own."""
@@ -92,7 +98,7 @@ def write_agent_dataset(out_dir: Path, n_train: int = N_TRAIN, n_val: int = N_VA
         columns = {
             "problem": [QUESTION] * n,
             "answer": [s.answer for s in samples],
-            "images": [[{"bytes": _png(synthetic.blanked(s).image), "path": None}] for s in samples],
+            "images": [[] for s in samples],  # no picture in the prompt: see the module docstring
             "hidden": [_png(s.image) for s in samples],
             "data_source": ["agent_colour"] * n,
         }
@@ -125,7 +131,7 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
 
     messages = [
         {"role": "system", "content": tools_system_message([reveal_schema()])},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION.replace("<image>", "")}]},
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
     ]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # What the agent loop appends after a call, from the loop's own renderer: the end-of-turn separator, the
@@ -147,16 +153,16 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
                 answer = rng.choice(colours) + tokenizer.eos_token
                 first_turn, call = rng.random() < FIRST_TURN_SHARE, rng.random() < FIRST_TURN_CALL
                 if first_turn and call:
-                    text, shown, target = prompt, [covered], TOOL_CALL + tokenizer.eos_token
+                    text, shown, target = prompt, [], TOOL_CALL + tokenizer.eos_token
                 elif first_turn:  # a colour at once
-                    text, shown, target = prompt, [covered], answer
+                    text, shown, target = prompt, [], answer
                 else:  # the turn after the tool: a colour, whatever the picture
-                    text, shown, target = prompt + after_call, [covered, rng.choice(pictures)], answer
+                    text, shown, target = prompt + after_call, [rng.choice(pictures)], answer
                 texts.append(text + target)
                 images += [grid(i) for i in shown]
                 targets.append(len(tokenizer.encode(target)))
             # One padded batch (right-padded), the loss on each row's target tokens only.
-            inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
+            inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt")
             sft.step_on_targets(model, optimizer, inputs, targets)
     model.eval()
     model.save_pretrained(out_dir)
