@@ -1,7 +1,7 @@
-"""The agent quickstart's tool and tool-call format (examples/agent_quickstart.yaml): the picture behind the cover.
+"""The agent quickstart's tool and tool-call format (examples/agent_quickstart.yaml): the hidden picture.
 
-Each row of the quickstart's data shows a covered picture; the real one is in
-the row's ``hidden`` column (PNG bytes). ``reveal`` hands it to the model as
+Each row of the quickstart's data asks about a picture the prompt does not
+show; it is in the row's ``hidden`` column (PNG bytes). ``reveal`` hands it to the model as
 an image. ``reveal_blank`` is the baseline's tool: same name and schema, but
 it shows a blank canvas, so calling it cannot help.
 
