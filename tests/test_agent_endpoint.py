@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import base64
-import gc
 import io
 import json
 import math
@@ -38,17 +37,15 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmrl.data.chat import template_has_tools, tools_system_message
-from vlmrl.data.media import resize_to_grid
-from vlmrl.rollout.endpoint import VERSION_HEADER, AgentEndpoint, EndpointLimits
+from vlmrl.data.chat import tools_system_message
+from vlmrl.rollout.endpoint import VERSION_HEADER, AgentEndpoint
 from vlmrl.rollout.endpoint_openai import chat_choice
 from vlmrl.rollout.endpoint_render import ChatRenderer
 from vlmrl.rollout.engine import SampleOutput
-from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS
 from vlmrl.rollout.tool_parsers import parse_qwen
-from vlmrl.rollout.vllm_engine import VLLMEngine
 
-MIN_PIXELS, MAX_PIXELS = 3136, 12544
+from helpers import agent_endpoint  # noqa: E402
 MAX_MODEL_LEN, MAX_TOKENS = 512, 256
 ZOOM = {"type": "object", "properties": {"x": {"type": "integer"}}}
 TOOLS = [{"type": "function", "function": {"name": "zoom", "description": "Zoom in.", "parameters": ZOOM}}]
@@ -60,34 +57,17 @@ def processor(tiny_assets):
 
 
 def _resize(processor):
-    ip = processor.image_processor
-    return lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS)
+    return agent_endpoint.resize(processor)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_assets, processor):
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(tiny_assets.model_dir), dtype="float32", seed=5, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1,
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
-    )  # fmt: skip
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)
+    with agent_endpoint.tiny_engine(tiny_assets.model_dir, processor, MAX_MODEL_LEN) as engine:
+        yield engine
 
 
 def _endpoint(engine, processor) -> AgentEndpoint:
-    renderer = ChatRenderer(
-        processor, resize=_resize(processor), template_has_tools=template_has_tools(processor.chat_template),
-        tools_message=tools_system_message,
-    )  # fmt: skip
-    return AgentEndpoint(engine, renderer, EndpointLimits(max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS))
+    return agent_endpoint.new_endpoint(engine, processor, MAX_MODEL_LEN, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

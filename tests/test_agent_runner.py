@@ -22,7 +22,6 @@ The agents are small files in ``tests/fixtures/agents/``, written with the offic
 
 from __future__ import annotations
 
-import gc
 import re
 import time
 from pathlib import Path
@@ -34,8 +33,6 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from vlmrl.data.chat import template_has_tools, tools_system_message
-from vlmrl.data.media import resize_to_grid
 from vlmrl.rollout import agent_runner
 from vlmrl.rollout.agent_runner import (
     AgentLLM,
@@ -45,14 +42,10 @@ from vlmrl.rollout.agent_runner import (
     load_agent,
     load_hooks,
 )
-from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
-from vlmrl.rollout.endpoint_render import ChatRenderer
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.rollout.vllm_engine import VLLMEngine
 from vlmrl.user_code import UserCodeError, load_object
 
 AGENTS = Path(__file__).parent / "fixtures" / "agents"
-MIN_PIXELS, MAX_PIXELS = 3136, 12544
+from helpers import agent_endpoint  # noqa: E402
 MAX_MODEL_LEN, MAX_TOKENS = 512, 64
 
 
@@ -67,27 +60,9 @@ def processor(tiny_assets):
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_assets, processor):
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(tiny_assets.model_dir), dtype="float32", seed=5, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1,
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
-    )  # fmt: skip
-    ip = processor.image_processor
-    renderer = ChatRenderer(
-        processor, resize=lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS),
-        template_has_tools=template_has_tools(processor.chat_template), tools_message=tools_system_message,
-    )  # fmt: skip
-    limits = EndpointLimits(max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS)
-    with AgentEndpoint(engine, renderer, limits).start() as started:
-        yield started
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)
+    with agent_endpoint.tiny_engine(tiny_assets.model_dir, processor, MAX_MODEL_LEN) as engine:
+        with agent_endpoint.new_endpoint(engine, processor, MAX_MODEL_LEN, MAX_TOKENS).start() as started:
+            yield started
 
 
 @pytest.fixture

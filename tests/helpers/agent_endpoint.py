@@ -1,0 +1,53 @@
+"""The tiny engine and the agent endpoint over it, as the endpoint and runner tests build them."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+
+import torch
+
+from vlmrl.data.chat import template_has_tools, tools_system_message
+from vlmrl.data.media import resize_to_grid
+from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
+from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.vllm_engine import VLLMEngine
+
+MIN_PIXELS, MAX_PIXELS = 3136, 12544
+
+
+def resize(processor):
+    """The dataset's resize to the processor's grid, with the tests' pixel bounds."""
+    ip = processor.image_processor
+    return lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS)
+
+
+@contextmanager
+def tiny_engine(model_dir, processor, max_model_len: int):
+    """A float32 VLLMEngine on the tiny model, torn down (and torch's threads restored) on exit."""
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(
+        str(model_dir), dtype="float32", seed=5, max_model_len=max_model_len,
+        max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1,
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
+    )  # fmt: skip
+    try:
+        yield engine
+    finally:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        del engine
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads(threads)
+
+
+def new_endpoint(engine, processor, max_model_len: int, max_tokens: int) -> AgentEndpoint:
+    """An endpoint (not started) over ``engine``, rendering with the processor's own template."""
+    renderer = ChatRenderer(
+        processor, resize=resize(processor), template_has_tools=template_has_tools(processor.chat_template),
+        tools_message=tools_system_message,
+    )  # fmt: skip
+    return AgentEndpoint(engine, renderer, EndpointLimits(max_model_len=max_model_len, max_tokens=max_tokens))
