@@ -216,10 +216,10 @@ class Plan:
         """Whether this step's update gives the old log-probs itself (no old pass): the whole rule, in one place.
 
         The config allows it (``old_log_probs_from_update``), the step trains the
-        actor (past the critic warm-up), and the batch is exactly one update's
-        mini-batch (online filtering can hand over a different count).
+        actor (past the critic warm-up), and the batch is at most one update's
+        mini-batch (agent rollouts can leave fewer rows; then they are its one mini-batch).
         """
-        return self.old_log_probs_from_update and step > self.critic_warmup and samples == self.samples_per_update
+        return self.old_log_probs_from_update and step > self.critic_warmup and samples <= self.samples_per_update
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -68,11 +68,18 @@ from vlmrl.algos.losses import (
     policy_loss_sapo,
     value_loss_clipped,
 )
+from vlmrl.algos.rollout_credit import (
+    MULTI_ROW_UNSUPPORTED,
+    TraceAggregation,
+    rollout_advantages,
+    trim_to_mini_batches,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
+    "MULTI_ROW_UNSUPPORTED",
     "POLICY_LOSSES",
     "AdvantageEstimator",
     "BehaviourWeightMode",
@@ -84,6 +91,7 @@ __all__ = [
     "LossAvgMode",
     "PolicyLossParams",
     "PolicyLossType",
+    "TraceAggregation",
     "adaptive_kl_coef",
     "aggregate_loss",
     "aggregation_weight",
@@ -111,6 +119,8 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_advantages",
+    "trim_to_mini_batches",
     "value_loss_clipped",
     "zero_advantage_groups",
 ]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmrl.config.errors import ConfigError
 from vlmrl.config.options import (
+    AgentFailurePolicy,
     BadSamplePolicy,
     Device,
     DType,
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
         RefConfig,
         RewardConfig,
         RewardModelConfig,
+        AgentHooksConfig,
+        AgentOptionsConfig,
         MultiTurnConfig,
         RolloutConfig,
         TrainerConfig,
@@ -86,6 +89,8 @@ _SCHEMA = (
     "RefConfig",
     "RewardConfig",
     "RewardModelConfig",
+    "AgentHooksConfig",
+    "AgentOptionsConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "TrainerConfig",
@@ -101,6 +106,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
+    "AgentFailurePolicy",
     "BadSamplePolicy",
     "Config",
     "ConfigError",
@@ -127,6 +133,8 @@ __all__ = [
     "RewardModelKind",
     "RewardModelPlacement",
     "JudgeParse",
+    "AgentHooksConfig",
+    "AgentOptionsConfig",
     "MultiTurnConfig",
     "RolloutConfig",
     "RolloutName",

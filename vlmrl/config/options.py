@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AgentFailurePolicy",
     "BadSamplePolicy",
     "DType",
     "Device",
@@ -110,6 +111,15 @@ class BadSamplePolicy(str, enum.Enum):
     """Stop with an error naming the file, the row and the key."""
     skip = "skip"
     """Leave the row out, count it and log it with its file and row."""
+
+
+class AgentFailurePolicy(enum.StrEnum):
+    """What a rollout whose agent raised, timed out, died or made no call does (``worker.rollout.agent_options.on_failure``)."""
+
+    drop = "drop"
+    """Count it and leave it out: its group's baseline is computed over the rollouts that finished."""
+    fail = "fail"
+    """Fail the step with the rollout's id, status and error."""
 
 
 class RewardManagerType(str, enum.Enum):

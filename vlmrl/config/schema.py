@@ -23,6 +23,7 @@ from typing import Any
 
 from vlmrl.algos import (
     AdvantageEstimator,
+    TraceAggregation,
     BehaviourWeightMode,
     KLControllerType,
     KLEstimator,
@@ -30,6 +31,7 @@ from vlmrl.algos import (
     PolicyLossType,
 )
 from vlmrl.config.options import (
+    AgentFailurePolicy,
     BadSamplePolicy,
     Device,
     DType,
@@ -50,6 +52,8 @@ __all__ = [
     "DERIVED_KEYS",
     "RENAMED_KEYS",
     "ActorConfig",
+    "AgentHooksConfig",
+    "AgentOptionsConfig",
     "AlgorithmConfig",
     "Config",
     "CriticConfig",
@@ -151,6 +155,10 @@ class AlgorithmConfig:
     """Online filtering keeps a group whose mean filter_key is above this."""
     filter_high: float = 0.99
     """Online filtering keeps a group whose mean filter_key is below this."""
+    trace_aggregation: TraceAggregation = TraceAggregation.trajectory
+    """vlmrl addition, with worker.rollout.agent: how an agent's recorded calls become training rows: trajectory
+    (a call whose prompt extends the row so far continues it, as few rows as possible) or transition (one row per
+    call). Either way the advantage is computed once per rollout and broadcast to its rows."""
 
 
 @dataclass
@@ -385,6 +393,42 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentOptionsConfig:
+    """How ``worker.rollout.agent`` runs: its concurrency, its timeout, what a failed rollout does, and the
+    endpoint it calls."""
+
+    max_concurrency: int = 8
+    """Rollouts whose agents run at once on each worker (async agents in one event loop, sync agents in as many
+    processes)."""
+    timeout: float = 300.0
+    """Seconds one rollout's agent may run; past it the rollout is cancelled (a sync agent's process killed)."""
+    on_failure: AgentFailurePolicy = AgentFailurePolicy.drop
+    """A rollout whose agent raised, timed out, died or made no call: drop (count it, train its group's other
+    rollouts) or fail (the step fails naming it)."""
+    host: str = "127.0.0.1"
+    """The address the endpoint binds; loopback by default, so nothing outside the machine reaches it."""
+    port: int = 0
+    """The endpoint's port; 0 takes a free one per worker."""
+    max_tokens_per_call: int | None = None
+    """Tokens one call may sample; null: data.max_response_length."""
+    max_images_per_call: int = 0
+    """Images one call may carry; 0: no limit beyond the engine's."""
+
+
+@dataclass
+class AgentHooksConfig:
+    """Functions by path (path/to/file.py:function) called with the rollout's record; one that raises is reported
+    and counted, never fatal."""
+
+    on_enqueue: str | None = None
+    """Before the rollout's agent starts."""
+    on_succeeded: str | None = None
+    """After a rollout that ended ok."""
+    on_failed: str | None = None
+    """After a rollout that raised, timed out, died or made no call."""
+
+
+@dataclass
 class RolloutConfig:
     name: RolloutName = RolloutName.vllm
     """The generation engine."""
@@ -435,6 +479,15 @@ class RolloutConfig:
     """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """vlmrl addition: tool-using and environment rollouts over several turns."""
+    agent: str | None = None
+    """vlmrl addition (Agent Lightning): an agent function, path/to/file.py:solve, written in any framework and called
+    once per rollout as solve(task, llm); it talks to the policy through an OpenAI-compatible endpoint on the
+    engine, and every call it makes is recorded and trained (algorithm.trace_aggregation). It returns the rollout's
+    reward, or None for the reward function to score its last answer."""
+    agent_options: AgentOptionsConfig = field(default_factory=AgentOptionsConfig)
+    """With agent: concurrency, timeout, failure policy and the endpoint's address."""
+    agent_hooks: AgentHooksConfig = field(default_factory=AgentHooksConfig)
+    """With agent: on_enqueue, on_succeeded and on_failed hooks."""
 
 
 @dataclass

@@ -355,6 +355,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             ground_truth=answer_text(answer),
             data_source=str(row.get("data_source") or "unknown"),
             prompt_text=text,
+            question=prompt,
             extra={k: v for k, v in row.items() if k not in media_keys},
             videos=videos,
             position_ids=position_ids,
@@ -375,6 +376,7 @@ class RLHFDataset(torch.utils.data.Dataset):
                     "text-only (its config.json has no vision_config); use a vision-language model, or data "
                     "without media",
                 )  # fmt: skip
+        question = prompt
         if self.format_template is not None:
             prompt = self.format_template.render(content=prompt)
         messages = [{"role": "user", "content": prompt}]  # text chat templates take a string content
@@ -405,6 +407,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             ground_truth=answer_text(answer),
             data_source=str(row.get("data_source") or "unknown"),
             prompt_text=text,
+            question=question,
             extra={k: v for k, v in row.items() if k not in media_keys},
             videos=[],
             # The records keep Qwen-VL's three rows; for text they are equal, and a text model reads one.

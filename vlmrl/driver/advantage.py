@@ -36,8 +36,10 @@ class Advantages:
 
 
 class AdvantageStage:
-    def __init__(self, algo: AlgorithmConfig, kl_in_reward: bool):
-        self.algo = algo
+    def __init__(self, algo: AlgorithmConfig, kl_in_reward: bool, per_rollout: bool = False):
+        """``per_rollout``: rows come from external agents' rollouts, several rows to a rollout; the estimator
+        runs on one entry per rollout and its advantage goes to every row (``algos.rollout_advantages``)."""
+        self.algo, self.per_rollout = algo, per_rollout
         self.spec = algos.ADVANTAGE_ESTIMATORS[algo.adv_estimator]
         self.kl_controller = None
         if kl_in_reward:
@@ -68,6 +70,14 @@ class AdvantageStage:
             metrics = {"actor/reward_kl_penalty": current_kl.item(), "actor/reward_kl_penalty_coef": coef}
             self.kl_controller.update(current_kl.item(), n_steps=len(batch))
         kwargs: dict[str, Any] = {arg: getattr(self.algo, key) for arg, key in self.spec.knobs.items()}
+        if self.per_rollout:
+            # Each row's reward sits on its last trained token; the rows of a rollout carry the same one.
+            scores = algos.masked_sum(rewards, batch.response_mask, dim=-1).tolist()
+            advantages, returns = algos.rollout_advantages(
+                batch.rollout_ids, batch.group_ids.tolist(), scores, batch.response_mask, self.algo.adv_estimator,
+                **kwargs,
+            )  # fmt: skip
+            return Advantages(rewards, advantages, returns, metrics)
         if self.spec.needs_critic:
             batch.require("values")
             kwargs["values"] = batch.values

@@ -103,8 +103,11 @@ class TrainingLoop:
                 config.trainer.val_generations_to_log,
                 tracker=tracker,
             )
-        self.sampler = RolloutSampler(config, workers, self.scorer, self.train_sampling, self._group_ids)
-        self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward)
+        # With an external agent a rollout may span rows: advantages per rollout, computed by the sampler.
+        self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward, per_rollout=bool(rollout.agent))
+        self.sampler = RolloutSampler(
+            config, workers, self.scorer, self.train_sampling, self._group_ids, self.advantages, plan.samples_per_update
+        )
         self.total_steps = planned_steps(self.steps_per_epoch, config.trainer.total_epochs, config.trainer.max_steps)
         # The learning-rate schedules span the run's training steps (EasyR1's optim.training_steps).
         self.actor_settings = UpdateSettings.from_config(config, plan, self.total_steps)
@@ -154,6 +157,7 @@ class TrainingLoop:
                 # 1. Rollout: n samples per prompt, images included (with online filtering, more
                 #    prompts until the batch is full; for ReMax, a greedy baseline response too).
                 self.workers.take_rollout_timings()  # drop what validation's rollouts left there
+                self.workers.take_rollout_counts()
                 with timer("gen", timings):
                     rollout = self.sampler.sample(prompts, self._more_prompts)
                 gen_pieces = self.workers.take_rollout_timings()  # the engine's share of "gen", and the rest
@@ -177,7 +181,7 @@ class TrainingLoop:
                 rewards.assign_to(batch)
                 # 3. Token-level rewards (less the KL penalty when KL is in the reward), then advantages.
                 with timer("adv", timings):
-                    advantages = self.advantages(batch)
+                    advantages = rollout.advantages or self.advantages(batch)
                 advantages.assign_to(batch)
                 # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
                 critic_metrics, actor_metrics, resync_metrics = {}, {}, {}
@@ -210,6 +214,7 @@ class TrainingLoop:
             metrics = {
                 **batch_metrics(batch, entropy),
                 **rewards.metrics,
+                **rollout.metrics,
                 **advantages.metrics,
                 **critic_metrics,
                 **actor_metrics,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vlmrl.records import Batch
@@ -9,8 +11,17 @@ from vlmrl import algos
 
 
 def reduce_reward_metrics(per_sample: dict[str, list[float]], prefix: str) -> dict[str, float]:
-    """The mean of each reward score over the samples, as ``<prefix>/<name>``."""
-    return {f"{prefix}/{name}": sum(values) / len(values) for name, values in per_sample.items() if values}
+    """The mean of each reward score over the samples, as ``<prefix>/<name>``.
+
+    NaN marks a sample a score does not apply to (a sub-score of the reward function, for a rollout its agent
+    scored) and is left out of that score's mean; a score with no value anywhere is not reported.
+    """
+    means = {}
+    for name, values in per_sample.items():
+        present = [v for v in values if not math.isnan(v)]
+        if present:
+            means[f"{prefix}/{name}"] = sum(present) / len(present)
+    return means
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from vlmrl.config import Config
 from vlmrl.records import Batch, PromptSample
 from vlmrl import algos
+from vlmrl.driver.advantage import AdvantageStage, Advantages
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.scoring import Rewards, Scorer
 from vlmrl.rollout.engine import Sampling
@@ -33,6 +34,15 @@ class Rollout:
     batch: Batch
     collect: Callable[[], Rewards]
     """Wait for the rewards still running; return the batch's rewards (and ReMax baselines) and their metrics."""
+    advantages: Advantages | None = None
+    """Agent rollouts: the advantages, computed per rollout before the passes so that rows could be trimmed to
+    whole mini-batches first; None: the step computes them after the passes."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The agents' counts (rollouts by status, calls, rows) and the rows trimmed."""
+
+
+class NoAgentRowsError(RuntimeError):
+    """No rollout of the step left a row to train on."""
 
 
 class RolloutSampler:
@@ -43,8 +53,14 @@ class RolloutSampler:
         scorer: Scorer,
         sampling: Sampling,
         new_group_ids: Callable[[int], list[int]],
+        advantages: AdvantageStage | None = None,
+        rows_per_update: int = 1,
     ):
+        """``advantages`` and ``rows_per_update`` (the rows of one global mini-batch) serve agent rollouts, whose
+        advantages come before the passes and whose rows are trimmed to whole mini-batches."""
         self.algo, self.workers, self.scorer, self.sampling = config.algorithm, workers, scorer, sampling
+        self.agent = bool(config.worker.rollout.agent)
+        self.advantage_stage, self.rows_per_update = advantages, rows_per_update
         self.new_group_ids = new_group_ids
         self.batch_prompts = config.data.rollout_batch_size
         self.prompts_per_call = config.data.mini_rollout_batch_size or config.data.rollout_batch_size
@@ -56,6 +72,8 @@ class RolloutSampler:
     def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
         """The step's batch from ``prompts`` (and, with online filtering, from ``more_prompts()`` as needed)."""
         prompt_of: dict[int, PromptSample] = {}
+        if self.agent:
+            return self._agent_rollouts(prompts, prompt_of)
         if self.algo.online_filtering:
             batch, filtered = self._filtered(prompts, more_prompts, prompt_of)
             reward_job = None
@@ -84,6 +102,40 @@ class RolloutSampler:
             for i in range(0, len(prompts), size)
         ]
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
+
+    def _agent_rollouts(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Rollout:
+        """External agents' rollouts: scored and given advantages per rollout, then trimmed to whole mini-batches.
+
+        A rollout makes any number of rows, so the step's row count is not a multiple of the mini-batch. Rows
+        are dropped until it is (or, with fewer rows than one mini-batch, until the workers get equal shares),
+        rows of groups whose advantage is 0 first (``algos.trim_to_mini_batches``). The advantages are computed
+        before the trim, over every rollout that finished, and kept: a trimmed row does not move its group's
+        baseline.
+        """
+        batch = self._generate(prompts, prompt_of)
+        metrics = self.workers.take_rollout_counts()
+        rewards = self.scorer.collect(self.scorer.launch(batch), batch)
+        rewards.assign_to(batch)
+        advantages = self.advantage_stage(batch)
+        advantages.assign_to(batch)
+        world = self.workers.world_size
+        unit = self.rows_per_update if len(batch) >= self.rows_per_update else world
+        kept, dropped = algos.trim_to_mini_batches(
+            batch.advantages, batch.response_mask, batch.group_ids.tolist(), unit
+        )
+        if not kept:
+            raise NoAgentRowsError(
+                f"the agents' rollouts made {len(batch)} row(s), fewer than the {world} workers that train; "
+                f"rollouts by status: { {k[len('agent/rollouts/'):]: int(v) for k, v in metrics.items() if k.startswith('agent/rollouts/')} }"
+            )
+        metrics["trace/trimmed_rows"] = float(dropped)
+        metrics["trace/rows_trained"] = float(len(kept))
+        batch = batch.select(kept)
+        advantages = Advantages(batch.token_level_rewards, batch.advantages, batch.returns, advantages.metrics)
+        rewards = dataclasses.replace(
+            rewards, token_level_scores=batch.token_level_scores, per_sample=batch.reward_metrics
+        )
+        return Rollout(batch, lambda: rewards, advantages, metrics)
 
     def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, Rewards]:
         algo = self.algo

@@ -20,6 +20,7 @@ from vlmrl.reward.manager import RewardResult, manager_class
 from vlmrl.reward.model_reward import reward_spec
 from vlmrl.reward.model_service import ModelLink
 from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.rollout_scores import RolloutScoring
 
 
 def place_scores(scores: list[float], response_mask: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,8 @@ def reward_inputs(batch: Batch) -> list[dict]:
         for i in range(len(batch))
     ]
     for x, t in zip(inputs, batch.trajectories):
+        if t.rollout_id:  # an external agent's rollout, scored on its last row: the last call's answer
+            x.update(rollout_id=t.rollout_id)
         if t.turn_ends:  # a multi-turn trajectory: the conversation too; "response" is its last model turn
             x.update(
                 messages=t.messages,
@@ -107,6 +110,16 @@ class Rewards:
             batch.reward_baselines = self.baselines
 
 
+@dataclass(frozen=True)
+class ScoringJob:
+    """A batch's rewards in the making: the reward manager's job, and for agent rollouts what it scores."""
+
+    ref: ray.ObjectRef | None
+    """None when no row needs the reward function (every agent returned its rollout's reward)."""
+    rollouts: RolloutScoring | None = None
+    """Set when rows come from agent rollouts: one score per rollout, spread over its rows."""
+
+
 class Scorer:
     """One reward-manager actor, seen from the driver."""
 
@@ -116,21 +129,31 @@ class Scorer:
     def start(self) -> ray.ObjectRef:
         return self.reward_manager.start.remote()
 
-    def launch(self, batch: Batch) -> ray.ObjectRef:
-        return self.reward_manager.compute.remote(reward_inputs(batch))
+    def launch(self, batch: Batch) -> ScoringJob:
+        inputs = reward_inputs(batch)
+        if not any(t.rollout_id for t in batch.trajectories):
+            return ScoringJob(self.reward_manager.compute.remote(inputs))
+        # Agent rollouts: the function scores each rollout's last row, unless its agent returned the reward.
+        rollouts = RolloutScoring.of(batch.trajectories)
+        rows = rollouts.rows_to_score
+        return ScoringJob(self.reward_manager.compute.remote([inputs[i] for i in rows]) if rows else None, rollouts)
 
-    def collect(self, job: ray.ObjectRef, batch: Batch, prefix: str = "reward") -> Rewards:
+    def collect(self, job: ScoringJob, batch: Batch, prefix: str = "reward") -> Rewards:
         """The batch's token-level scores and per-sample sub-scores, with their means and the timeouts.
 
         Nothing is written to ``batch``: the caller assigns the result (``Rewards.assign_to``).
         """
-        result: RewardResult = self.get(job)
+        result: RewardResult = self.get(job.ref) if job.ref is not None else RewardResult([], {}, [], {})
         per_sample = {"overall": result.overall, **result.sub_scores}
-        metrics = {**reduce_reward_metrics(per_sample, prefix=prefix), f"{prefix}/timeouts": len(result.timeouts)}
+        means = per_sample
+        if job.rollouts is not None:  # means over rollouts; every row gets its rollout's scores
+            means = job.rollouts.per_rollout(per_sample)
+            per_sample = job.rollouts.per_row(means)
+        metrics = {**reduce_reward_metrics(means, prefix=prefix), f"{prefix}/timeouts": len(result.timeouts)}
         # The reward model's counters: reward_model/* for training, val/reward_model/* for validation.
         model_prefix = "reward_model" if prefix == "reward" else f"{prefix}/reward_model"
         metrics.update({model_prefix + k[len("reward_model") :]: v for k, v in result.metrics.items()})
-        token_level = place_scores(result.overall, batch.response_mask)
+        token_level = place_scores(per_sample["overall"], batch.response_mask)
         if any(t.turn_rewards for t in batch.trajectories):
             token_level = add_turn_rewards(token_level, batch)
         return Rewards(token_level, per_sample, metrics)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vlmrl.records import Batch
 from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.rollout_scores import RolloutScoring
 from vlmrl.driver.scoring import Scorer
 from vlmrl.loggers.tracking import Tracker, ValidationSample
 from vlmrl.rollout.engine import Sampling
@@ -48,10 +49,12 @@ class Validator:
             timeouts += rewards.metrics["reward/timeouts"]
             parts.append(batch)
         batch = Batch.concat(parts)
-        metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="val/reward"), "val/reward/timeouts": timeouts}
-        for source in sorted(set(batch.data_sources)):
-            rows = [i for i, s in enumerate(batch.data_sources) if s == source]
-            per_source = {k: [v[i] for i in rows] for k, v in batch.reward_metrics.items()}
+        # An external agent's rollout may span rows, which share its scores: it counts once, by its last row.
+        counted = batch.select(RolloutScoring.of(batch.trajectories).last_rows) if batch.trajectories[0].rollout_id else batch
+        metrics = {**reduce_reward_metrics(counted.reward_metrics, prefix="val/reward"), "val/reward/timeouts": timeouts}
+        for source in sorted(set(counted.data_sources)):
+            rows = [i for i, s in enumerate(counted.data_sources) if s == source]
+            per_source = {k: [v[i] for i in rows] for k, v in counted.reward_metrics.items()}
             metrics.update(reduce_reward_metrics(per_source, prefix=f"val/{source}"))
         self._write_generations(batch, step)
         if self.tracker is not None and self.generations_to_log > 0:
@@ -82,6 +85,8 @@ class Validator:
                     else None,
                 }
                 t = batch.trajectories[i]
+                if t.rollout_id:  # an external agent's row: its rollout, and the calls merged into it
+                    row["rollout_id"] = t.rollout_id
                 if t.turn_ends:  # a conversation: every token after the prompt, which of them the model wrote
                     completion = t.completion_ids
                     row.update(

@@ -26,6 +26,9 @@ class PromptSample:
     ground_truth: str
     data_source: str
     prompt_text: str
+    question: str = ""
+    """The row's prompt column as written (before data.format_prompt and the chat template): the ``prompt`` an external
+    agent (``worker.rollout.agent``) gets, which renders its own messages."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The row's other columns (not prompt, answer, images or videos), passed to the reward function."""
     videos: list[Any] = field(default_factory=list)

@@ -90,6 +90,9 @@ class Trajectory:
     """How many of ``media`` are the prompt's (the rest came from tools or the environment); -1: all of them."""
     render_mismatch: bool = False
     """Multi-turn: the token ids differ from a full re-render of the conversation by the chat template."""
+    agent_reward: float | None = None
+    """The reward an external agent (``worker.rollout.agent``) returned for this row's rollout; None: the reward
+    function scores the rollout's last row."""
     rollout_id: str = ""
     """The rollout this row belongs to when one rollout spans several rows (an external agent's calls); ""
     makes the row a rollout of its own. ``loss_avg_mode=per_rollout_mean`` weighs rollouts, not rows."""
@@ -130,11 +133,16 @@ class Trajectory:
         """Whether media came after the prompt (tool or environment images), which the driver does not hold."""
         return 0 <= self.prompt_media < len(self.media)
 
+    @property
+    def media_are_the_prompts(self) -> bool:
+        """Whether its media are exactly its prompt's, which the driver holds (not an agent's or a tool's)."""
+        return self.prompt_media != 0 and not self.has_own_media
+
     def slim(self) -> Trajectory:
         """The same record without pixels or media payloads (their kinds and offsets stay): what a worker
         sends back to the driver, which already holds the row's media and puts them back (``with_media``).
-        A trajectory with media of its own (``has_own_media``) is sent whole."""
-        if self.has_own_media:
+        A trajectory whose media are not just its prompt's (``media_are_the_prompts``) is sent whole."""
+        if not self.media_are_the_prompts:
             return self
         return dataclasses.replace(
             self, mm_inputs={}, media=[Media(m.kind, m.offset, None) for m in self.media]

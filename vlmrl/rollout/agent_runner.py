@@ -156,6 +156,10 @@ class AgentTask:
     rollout_id: str
     fields: dict[str, Any]
     images: list[Any] = field(default_factory=list)
+    seed: int | None = None
+    """Seeds the rollout's calls that give no seed (``AgentEndpoint.open_rollout``); None: unseeded."""
+    temperature: float = 1.0
+    """The temperature of the rollout's calls that give none."""
 
     def as_argument(self) -> dict[str, Any]:
         """The ``task`` the agent gets."""
@@ -289,7 +293,7 @@ class AgentRunner:
         async with slots:
             endpoint, rollout_id = self.endpoint, record.rollout_id
             llm = AgentLLM(endpoint.base_url, endpoint.api_key(rollout_id), endpoint.model_name)
-            endpoint.open_rollout(rollout_id)
+            endpoint.open_rollout(rollout_id, record.task.seed, record.task.temperature)
             try:
                 status, value, seconds = await self._call_agent(record.task, llm)
             finally:

@@ -100,6 +100,11 @@ class _Rollout:
     next_index: int = 0
     requests: set[str] = field(default_factory=set)
     """Engine requests of this rollout now queued or in flight (aborted when it closes)."""
+    seed: int | None = None
+    """Seeds the calls that give none: call i samples with ``seed + i``, so a rollout's samples do not depend
+    on what else the engine serves at the time (an exact resume repeats them)."""
+    temperature: float = 1.0
+    """The temperature of the calls that give none (the trainer's: its rollouts', or greedy validation's)."""
 
 
 class AgentEndpoint:
@@ -206,14 +211,17 @@ class AgentEndpoint:
 
     # ------------------------------------------------------------ rollouts
 
-    def open_rollout(self, rollout_id: str) -> None:
-        """Accept calls for ``rollout_id`` from now until ``close_rollout``. An id is used once."""
+    def open_rollout(self, rollout_id: str, seed: int | None = None, temperature: float = 1.0) -> None:
+        """Accept calls for ``rollout_id`` from now until ``close_rollout``. An id is used once.
+
+        ``seed``: a call that gives no seed of its own samples with ``seed`` plus its index in the rollout;
+        None leaves such calls to the engine's generator. ``temperature``: for calls that give none."""
         if not isinstance(rollout_id, str) or not rollout_id:
             raise ValueError("a rollout id is a non-empty string")
         with self._lock:
             if rollout_id in self._rollouts or rollout_id in self._ended:
                 raise ValueError(f"rollout {rollout_id!r} was opened before; rollout ids are used once")
-            self._rollouts[rollout_id] = _Rollout()
+            self._rollouts[rollout_id] = _Rollout(seed=seed, temperature=temperature)
 
     def close_rollout(self, rollout_id: str) -> list[Call]:
         """End ``rollout_id``: later calls are refused, calls in flight are aborted (their agents get 410).
@@ -405,22 +413,26 @@ class AgentEndpoint:
             raise EndpointError(
                 400, f"n={options.n} is over this endpoint's {self.limits.max_n}", "invalid_n", param="n"
             )
-        sampling = Sampling(
-            n=options.n, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-            max_tokens=self._max_tokens(len(prompt.actor_ids), options.max_tokens),
-            want_log_probs=True, ignore_eos=options.ignore_eos, seed=options.seed,
-        )  # fmt: skip
+        max_tokens = self._max_tokens(len(prompt.actor_ids), options.max_tokens)
         request_id = f"endpoint-{next(self._request_ids)}"
-        engine_request = EngineRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.engine_ids,
-            multi_modal_data={"image": list(prompt.images)} if prompt.images else {},
-            sampling=sampling,
-        )
         with self._lock:
             rollout = self._live(rollout_id)
             first = rollout.next_index  # indices are given as calls arrive
             rollout.next_index += options.n
+            seed = options.seed
+            if seed is None and rollout.seed is not None:
+                seed = rollout.seed + first
+            temperature = rollout.temperature if options.temperature is None else options.temperature
+            sampling = Sampling(
+                n=options.n, temperature=temperature, top_p=options.top_p, top_k=options.top_k,
+                max_tokens=max_tokens, want_log_probs=True, ignore_eos=options.ignore_eos, seed=seed,
+            )  # fmt: skip
+            engine_request = EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt.engine_ids,
+                multi_modal_data={"image": list(prompt.images)} if prompt.images else {},
+                sampling=sampling,
+            )
             # Submitted under the lock, so a close_rollout either comes first (refused above) or aborts it.
             future = self._running().submit(engine_request)
             rollout.requests.add(request_id)
@@ -448,7 +460,7 @@ class AgentEndpoint:
                 log_probs=list(sample.log_probs or []),
                 version=output.version,
                 finish_reason=sample.finish_reason or "stop",
-                temperature=options.temperature,
+                temperature=temperature,
                 images=tuple(prompt.images),
             )
             for index, sample in zip(indices, output.samples, strict=True)

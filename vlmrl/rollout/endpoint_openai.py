@@ -40,7 +40,8 @@ class EndpointError(Exception):
 @dataclass(frozen=True)
 class Options:
     n: int
-    temperature: float
+    temperature: float | None
+    """None: not given; the rollout's default applies (``AgentEndpoint.open_rollout``), else 1."""
     top_p: float
     top_k: int
     max_tokens: int | None
@@ -84,8 +85,8 @@ def parse_options(body: dict, *, chat: bool) -> Options:
     if max_tokens is not None:
         max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", None, int)
         _refuse_if(max_tokens < 1, "max_tokens", "max_tokens must be at least 1")
-    temperature = _number(body, "temperature", 1.0, float)
-    _refuse_if(not 0 <= temperature <= 2, "temperature", "temperature must be between 0 and 2")
+    temperature = _number(body, "temperature", None, float)
+    _refuse_if(temperature is not None and not 0 <= temperature <= 2, "temperature", "temperature must be between 0 and 2")
     top_p = _number(body, "top_p", 1.0, float)
     _refuse_if(not 0 < top_p <= 1, "top_p", "top_p must be in (0, 1]")
     top_k = _number(body, "top_k", -1, int)

@@ -1,16 +1,19 @@
-"""Multi-turn rollouts: the switch, the limits, and the user's tools, environment and parser, loaded now.
+"""Agent rollouts: the built-in multi-turn loop (tools, environment, parser) and an external agent
+(``worker.rollout.agent``, its options and hooks), the user's code loaded now.
 
-The tools file is imported here, in the driver, so that a broken file, a
-tool whose signature cannot be read or two tools with one name are config
-errors before Ray starts, not a crash in every worker.
+The user's files are imported here, in the driver, so that a broken file, a
+tool or agent whose signature cannot be read or two tools with one name are
+config errors before Ray starts, not a crash in every worker.
 """
 
 from __future__ import annotations
 
 import inspect
 
-from vlmrl.algos import AdvantageEstimator
+from vlmrl.algos import MULTI_ROW_UNSUPPORTED, AdvantageEstimator
 from vlmrl.config import Config
+from vlmrl.plan import kl_in_reward
+from vlmrl.rollout.agent_runner import HOOK_KEY, load_agent, load_hooks
 from vlmrl.rollout.tool_parsers import load_parser
 from vlmrl.rollout.tools import load_tools
 from vlmrl.user_code import UserCodeError, load_object
@@ -75,3 +78,68 @@ def _env_problems(spec: str) -> list[str]:
     if missing:
         return [f"{P}.env={spec}: the class has no {' or '.join(missing)} method; it needs reset(sample) and step(action)"]
     return []
+
+
+A = "worker.rollout.agent"
+
+
+def external_agent_problems(config: Config) -> list[str]:
+    """``worker.rollout.agent``: the agent and its hooks load, and the settings it cannot work with are refused."""
+    rollout, algo = config.worker.rollout, config.algorithm
+    hooks = {k: v for k, v in vars(rollout.agent_hooks).items() if v}
+    if not rollout.agent:
+        if hooks:
+            return [f"{HOOK_KEY} is set ({', '.join(hooks)}) but {A} is not; name the agent, path/to/file.py:solve"]
+        return []
+    problems: list[str] = []
+    if rollout.multi_turn.enable:
+        problems.append(
+            f"{A} and {P}.enable=true are both set: a rollout is either the built-in tool loop or an external "
+            f"agent's calls; set {P}.enable=false or drop {A}"
+        )
+    est = algo.adv_estimator
+    if est in MULTI_ROW_UNSUPPORTED:
+        problems.append(
+            f"algorithm.adv_estimator={est.value} with {A}: {MULTI_ROW_UNSUPPORTED[est]}; use grpo, rloo, "
+            "grpo_passk or reinforce_plus_plus_baseline"
+        )
+    if algo.online_filtering:
+        problems.append(
+            f"algorithm.online_filtering=true with {A}: an agent's rollouts make a varying number of rows, which "
+            "online filtering's batch filling does not handle yet; set algorithm.online_filtering=false"
+        )
+    if kl_in_reward(config):
+        problems.append(
+            f"the KL is in the reward (algorithm.use_kl_loss=false) with {A}: agent rows get their advantage before "
+            "the log-prob passes, so that rows can be trimmed to whole mini-batches first; set "
+            "algorithm.use_kl_loss=true, or algorithm.disable_kl=true"
+        )
+    if rollout.tensor_parallel_size > 1:
+        problems.append(
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} with {A}: each worker serves its "
+            "own agents from its own engine; set worker.rollout.tensor_parallel_size=1"
+        )
+    opts, key = rollout.agent_options, "worker.rollout.agent_options"
+    if opts.max_concurrency < 1:
+        problems.append(f"{key}.max_concurrency={opts.max_concurrency}: must be at least 1")
+    if not opts.timeout > 0:
+        problems.append(f"{key}.timeout={opts.timeout}: must be a positive number of seconds")
+    if not 0 <= opts.port <= 65535:
+        problems.append(f"{key}.port={opts.port}: must be 0 (a free port) or a port number up to 65535")
+    budget = config.data.max_response_length
+    if opts.max_tokens_per_call is not None and not 1 <= opts.max_tokens_per_call <= budget:
+        problems.append(
+            f"{key}.max_tokens_per_call={opts.max_tokens_per_call}: must be between 1 and "
+            f"data.max_response_length={budget}, or null"
+        )
+    if opts.max_images_per_call < 0:
+        problems.append(f"{key}.max_images_per_call={opts.max_images_per_call}: must be 0 (no limit) or more")
+    try:
+        load_agent(rollout.agent)
+    except UserCodeError as e:
+        problems.append(str(e))
+    try:
+        load_hooks(hooks)
+    except UserCodeError as e:
+        problems.append(str(e))
+    return problems

@@ -9,7 +9,8 @@ to inference ranks, an object store) implements the same ``load``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -22,10 +23,18 @@ class Sink(Protocol):
 
 
 class EngineSink:
-    """In process: hands the stream and the version to the engine's ``load_weights``."""
+    """In process: hands the stream and the version to the engine's ``load_weights``.
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    ``hold``, when the engine also serves others between steps (the agent
+    endpoint), is entered around the load: it holds new calls and waits for
+    those in flight (``AgentEndpoint.paused``), so no call straddles two
+    versions. The load itself stays on this thread, where the stream's
+    gathers (collectives) must run.
+    """
+
+    def __init__(self, engine: Engine, hold: Callable[[], AbstractContextManager] | None = None):
+        self.engine, self.hold = engine, hold
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.engine.load_weights(named_tensors, version)
+        with self.hold() if self.hold is not None else nullcontext():
+            self.engine.load_weights(named_tensors, version)

@@ -158,6 +158,9 @@ def _chunks(items: list, parts: int) -> list[list]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
+COUNT_PREFIXES = ("agent/", "trace/")
+"""Entries of a rollout call's timings that are counts (external agents' rollouts), not seconds."""
+
 # Per-worker metrics where the largest worker matters, not the mean: peaks, and the slowest worker's resync.
 _PEAK_METRICS = (
     "perf/max_memory_allocated_gb",
@@ -213,6 +216,8 @@ class WorkerGroup:
         A batch that brings another trajectory under a held id sends it again, so no worker scores a stale row."""
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the rollout calls' pieces since the last ``take_rollout_timings``."""
+        self.rollout_counts: dict[str, float] = {}
+        """Agent rollouts' counts since the last ``take_rollout_counts``."""
 
     def _wait_started(self, config: Config) -> None:
         """Wait for every worker's constructor (models loaded, engine started), at most trainer.start_timeout_s."""
@@ -333,13 +338,23 @@ class WorkerGroup:
             for t in part:
                 prompt = prompt_of[t.group_id]
                 full = t
-                if not t.has_own_media:  # sent slim: the prompt's media go back on here
+                if t.media_are_the_prompts:  # sent slim: the prompt's media go back on here
                     full = dataclasses.replace(t, mm_inputs=prompt.mm_inputs).with_media(
                         list(prompt.images) + list(prompt.videos)
                     )
                 trajectories.append(full)
                 if keep:
                     self._held_by(full).update(range(leader, leader + tp))
+        # Agent rollouts' counts (rollouts by status, calls, rows) come with the timings; they add up over workers.
+        for _, timings in results:
+            for key in [k for k in timings if k.startswith(COUNT_PREFIXES)]:
+                self.rollout_counts[key] = self.rollout_counts.get(key, 0.0) + timings.pop(key)
+        if not trajectories:
+            raise RuntimeError(
+                f"the rollouts of {len(prompts)} prompt(s) made no row to train on; agent rollouts by status: "
+                f"{ {k: int(v) for k, v in self.rollout_counts.items() if k.startswith('agent/rollouts/')} } (see "
+                "run.log for why each failed)"
+            )
         data = self.config.data
         batch = to_batch(
             trajectories,
@@ -358,6 +373,11 @@ class WorkerGroup:
         """The rollout pieces' seconds since the last call (``requests``, ``engine``, ``outputs``, ...)."""
         timings, self.rollout_timings = self.rollout_timings, {}
         return timings
+
+    def take_rollout_counts(self) -> dict[str, float]:
+        """Agent rollouts' counts since the last call, summed over the workers (``agent/*``, ``trace/*``)."""
+        counts, self.rollout_counts = self.rollout_counts, {}
+        return counts
 
     def release(self) -> None:
         """End of step: the workers drop the step's trajectories."""

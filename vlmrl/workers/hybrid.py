@@ -36,7 +36,7 @@ class HybridWorker:
         rollout_cfg = config.worker.rollout
         self.weight_sync = WeightSync(
             self.trainer.actor,
-            EngineSink(self.rollout.engine),
+            EngineSink(self.rollout.engine, self.rollout.external.endpoint.paused if self.rollout.external else None),
             getattr(torch, rollout_cfg.dtype.value),
             bucket_bytes=rollout_cfg.resync_bucket_mb << 20,
             transform=self.trainer.hf_weights if self.trainer.lora else None,

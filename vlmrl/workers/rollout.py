@@ -7,7 +7,8 @@ temperature, so the trainer computes log-probs at the temperature that sampled.
 
 With ``worker.rollout.multi_turn.enable`` the same engine plays conversations
 instead (``vlmrl.rollout.agent_loop``): the tools or the environment run in
-this process, next to the engine.
+this process, next to the engine. With ``worker.rollout.agent`` it serves the
+user's agent over an OpenAI-compatible endpoint (``vlmrl.workers.agents``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vlmrl.rollout.tools import ToolRunner, load_tools
 from vlmrl.rollout.sampling import media_offsets, seeded_requests
 from vlmrl.rollout.vllm_engine import VLLMEngine
 from vlmrl.user_code import load_object
+from vlmrl.workers.agents import ExternalAgents
 
 
 class RolloutWorker:
@@ -71,6 +73,12 @@ class RolloutWorker:
         self.agent = None
         if rollout_cfg.multi_turn.enable:
             self.agent = build_agent_loop(config, self.engine, processor, (vocab.get("<|image_pad|>", -1), vocab.get("<|video_pad|>", -1)))
+        self.external = None
+        """``worker.rollout.agent``: the endpoint on this engine and the runner of the user's agent."""
+        if rollout_cfg.agent:
+            self.external = ExternalAgents(
+                config, plan, self.engine, processor, family_positions(config.worker.actor.model.model_path)
+            )
 
     def generate(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
@@ -78,6 +86,8 @@ class RolloutWorker:
         """n trajectories per prompt, in prompt order, and the seconds of the call's pieces."""
         if self.agent is not None:
             return self.agent.run(prompts, group_ids, sampling)
+        if self.external is not None:
+            return self.external.run(prompts, group_ids, sampling)
         t0 = time.perf_counter()
         requests = seeded_requests(prompts, group_ids, sampling, self.engine.seed)
         t1 = time.perf_counter()
@@ -99,16 +109,23 @@ class RolloutWorker:
         return trajectories, timings
 
 
+def family_positions(model_path: str):
+    """``(token ids, mm inputs) -> (3, n)`` rotary positions of the model's family (Qwen2/2.5/3-VL's 3-D scheme;
+    for a text model, one position per token on every axis)."""
+    model_config = AutoConfig.from_pretrained(model_path)
+    if getattr(model_config, "vision_config", None) is not None:
+        return MRope.from_config(model_config).positions
+
+    def positions(ids, _mm):
+        return torch.arange(len(ids), dtype=torch.long).expand(3, len(ids)).clone()
+
+    return positions
+
+
 def build_agent_loop(config: Config, engine, processor, pad_ids: tuple[int, int]) -> AgentLoop:
     """The multi-turn loop over ``engine`` with the config's tools or environment, loaded in this process."""
     multi_turn, data = config.worker.rollout.multi_turn, config.data
-    model_config = AutoConfig.from_pretrained(config.worker.actor.model.model_path)
-    if getattr(model_config, "vision_config", None) is not None:
-        positions = MRope.from_config(model_config).positions
-    else:  # a text model: one position per token on every axis
-
-        def positions(ids, _mm):
-            return torch.arange(len(ids), dtype=torch.long).expand(3, len(ids)).clone()
+    positions = family_positions(config.worker.actor.model.model_path)
 
     image_processor = getattr(processor, "image_processor", None)
     factor = image_processor.patch_size * image_processor.merge_size if image_processor is not None else 28
