@@ -116,3 +116,15 @@ def test_when_every_agent_returned_its_reward_the_function_scores_nothing():
     scoring = RolloutScoring.of([_row("a", 1.0), _row("b", 0.0)])
     assert scoring.rows_to_score == []
     assert scoring.per_row(scoring.per_rollout({"overall": []}))["overall"] == [1.0, 0.0]
+
+
+def test_a_failed_rollout_leaves_its_group_and_the_baseline_is_the_others():
+    # Task 7 had three rollouts; the third agent raised and made no row (on_failure=drop). The group's GRPO
+    # statistics are over the two that finished, rewards 1 and 0: mean 0.5, std (unbiased) sqrt(0.5) = 0.7071,
+    # so A = +-0.5 / 0.7071 = +-0.7071. Had the failure been scored 0 instead, the group would be 1, 0, 0:
+    # mean 1/3, std 0.5774, A = 1.1547 for the first: the failure would have moved the others' advantages.
+    from vlmrl.algos import rollout_advantages
+
+    mask = torch.ones(2, 3)
+    advantages, _ = rollout_advantages(["7:0", "7:1"], [7, 7], [1.0, 0.0], mask)
+    assert advantages[:, 0].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
