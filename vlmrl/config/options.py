@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import enum
 
+from vlmrl.algos.common import ConfigEnum
+
 __all__ = [
     "AgentFailurePolicy",
+    "AsyncPlacement",
     "BadSamplePolicy",
     "DType",
     "Device",
@@ -21,11 +24,13 @@ __all__ = [
     "ModelKind",
     "OldLogProbPass",
     "OptimizerStrategy",
+    "PartialRollout",
     "JudgeParse",
     "RewardManagerType",
     "RewardModelKind",
     "RewardModelPlacement",
     "RolloutName",
+    "StalePolicy",
     "Strategy",
     "TimeoutPolicy",
 ]
@@ -120,6 +125,37 @@ class AgentFailurePolicy(enum.StrEnum):
     """Count it and leave it out: its group's baseline is computed over the rollouts that finished."""
     fail = "fail"
     """Fail the step with the rollout's id, status and error."""
+
+
+class AsyncPlacement(ConfigEnum):
+    """Where asynchronous training's rollouts run (``worker.rollout.async_rl.placement``)."""
+
+    colocated = "colocated"
+    """One pool: every worker hosts the FSDP actor and a vLLM engine, as in synchronous training. Groups admitted
+    ahead are generated between updates, and their rewards are scored while the trainer trains."""
+    disaggregated = "disaggregated"
+    """Rollout workers with their own engines, apart from the trainer workers; not built yet."""
+
+
+class StalePolicy(ConfigEnum):
+    """What happens to a group whose oldest token is more than ``eta`` versions old when it would train."""
+
+    drop = "drop"
+    """Discard it; its slot is given back and a new group is admitted in its place."""
+    requeue = "requeue"
+    """Put its prompt back among the waiting groups, to be generated again with newer weights."""
+    accept = "accept"
+    """Train it anyway and count it in ``accepted_stale`` (the bound is then a soft one)."""
+
+
+class PartialRollout(ConfigEnum):
+    """What a weight update does to responses being generated (``worker.rollout.async_rl.partial_rollout``)."""
+
+    keep_kv = "keep_kv"
+    """They go on with the new weights from the next token on, keeping the KV cache the old weights computed
+    (PipelineRL's in-flight update); their earlier tokens keep their version."""
+    reprefill = "reprefill"
+    """They are aborted and re-prefilled from prompt + partial response by the new weights, then go on."""
 
 
 class RewardManagerType(str, enum.Enum):

@@ -32,6 +32,7 @@ from vlmrl.algos import (
 )
 from vlmrl.config.options import (
     AgentFailurePolicy,
+    AsyncPlacement,
     BadSamplePolicy,
     Device,
     DType,
@@ -40,10 +41,12 @@ from vlmrl.config.options import (
     LRSchedulerType,
     OldLogProbPass,
     OptimizerStrategy,
+    PartialRollout,
     RewardManagerType,
     RewardModelKind,
     RewardModelPlacement,
     RolloutName,
+    StalePolicy,
     Strategy,
     TimeoutPolicy,
 )
@@ -54,6 +57,7 @@ __all__ = [
     "ActorConfig",
     "AgentHooksConfig",
     "AgentOptionsConfig",
+    "AsyncConfig",
     "AlgorithmConfig",
     "Config",
     "CriticConfig",
@@ -429,6 +433,29 @@ class AgentHooksConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Asynchronous training with bounded staleness (AReaL): prompt groups are admitted ahead of the trainer, up to
+    max_head_offpolicyness policy versions, scored as they finish and trained in data order; the loss is corrected
+    for the policy that sampled (worker.actor.use_decoupled_loss)."""
+
+    enable: bool = False
+    """Train asynchronously; false: every step samples, scores and trains its own prompts, as EasyR1 does."""
+    max_head_offpolicyness: int = 1
+    """eta: no trained token is older than this many policy versions; 0 is the synchronous schedule."""
+    max_concurrent_rollouts: int | None = None
+    """Prompt groups generating or being scored at once; null: (max_head_offpolicyness + 1) x data.rollout_batch_size."""
+    stale_policy: StalePolicy = StalePolicy.drop
+    """A group whose oldest token is more than eta versions old when it would train: drop it, requeue its prompt
+    for a fresh generation, or accept it and count it (the bound is then a soft one)."""
+    placement: AsyncPlacement = AsyncPlacement.colocated
+    """colocated (one pool; the engine and the actor share each worker) or disaggregated (not built yet)."""
+    partial_rollout: PartialRollout = PartialRollout.keep_kv
+    """Disaggregated: what a weight update does to responses being generated."""
+    weight_sync_interval: int = 1
+    """Updates between weight syncs to the engines; colocated syncs after every update (1)."""
+
+
+@dataclass
 class RolloutConfig:
     name: RolloutName = RolloutName.vllm
     """The generation engine."""
@@ -488,6 +515,8 @@ class RolloutConfig:
     """With agent: concurrency, timeout, failure policy and the endpoint's address."""
     agent_hooks: AgentHooksConfig = field(default_factory=AgentHooksConfig)
     """With agent: on_enqueue, on_succeeded and on_failed hooks."""
+    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
+    """vlmrl addition (AReaL): asynchronous training with bounded staleness."""
 
 
 @dataclass

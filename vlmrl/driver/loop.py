@@ -14,6 +14,7 @@ from vlmrl.plan import Plan
 from vlmrl.records import PromptSample
 from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.driver.advantage import AdvantageStage
+from vlmrl.driver.async_sampler import AsyncRolloutSampler
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
@@ -105,9 +106,15 @@ class TrainingLoop:
             )
         # With an external agent a rollout may span rows: advantages per rollout, computed by the sampler.
         self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward, per_rollout=bool(rollout.agent))
-        self.sampler = RolloutSampler(
-            config, workers, self.scorer, self.train_sampling, self._group_ids, self.advantages, plan.samples_per_update
-        )
+        if rollout.async_rl.enable:  # groups admitted ahead under a staleness bound, scored while the trainer trains
+            self.sampler = AsyncRolloutSampler(
+                config, workers, self.scorer, self.train_sampling, self._group_ids, train_loader.dataset.sample
+            )
+        else:
+            self.sampler = RolloutSampler(
+                config, workers, self.scorer, self.train_sampling, self._group_ids, self.advantages,
+                plan.samples_per_update,
+            )  # fmt: skip
         self.total_steps = planned_steps(self.steps_per_epoch, config.trainer.total_epochs, config.trainer.max_steps)
         # The learning-rate schedules span the run's training steps (EasyR1's optim.training_steps).
         self.actor_settings = UpdateSettings.from_config(config, plan, self.total_steps)
@@ -165,7 +172,7 @@ class TrainingLoop:
                 # 2. Log-probs under the current and the reference policy, and the critic's values,
                 #    while the rewards are computed.
                 # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
-                old_from_update = self.plan.old_log_probs_from_forward(step, len(batch))
+                old_from_update = rollout.on_policy and self.plan.old_log_probs_from_forward(step, len(batch))
                 entropy = None
                 if not old_from_update:
                     with timer("old", timings):
@@ -197,6 +204,7 @@ class TrainingLoop:
                     # 5. The rollout engine gets the new weights.
                     with timer("update_weights", timings):
                         resync_metrics = self.workers.sync_weights()
+                    self.sampler.weights_synced()
                 self.workers.release()  # the workers drop the step's trajectories
                 val_metrics = {}
                 # A stop request skips validation: the grace period before SIGKILL is for saving.
@@ -263,6 +271,7 @@ class TrainingLoop:
             "next_group_id": self.next_group_id,
             "prompt_batches_used": self.prompt_batches_used,
             "advantages": self.advantages.state(),
+            "sampler": self.sampler.state(),
             "dataloader": self.train_loader.state_dict(),
             "rng": rng_state(),
             "tracker": self.tracker.state(),
@@ -283,14 +292,16 @@ class TrainingLoop:
         if path is None:
             return 0
         state = load_trainer_state(path)
-        restored_optimizer = self.workers.load_checkpoint(str(path))
         step = state["global_step"]
+        # Every step past the critic's warm-up synced the engine once: its version continues from there.
+        restored_optimizer = self.workers.load_checkpoint(str(path), max(step - self.config.trainer.critic_warmup, 1))
         self.prompt_batches_used = state.get("prompt_batches_used", step)
         # A checkpoint taken at the end of an epoch holds a finished loader; the next epoch starts fresh.
         if self.prompt_batches_used % self.steps_per_epoch:
             self.train_loader.load_state_dict(state["dataloader"])
         self.next_group_id = state["next_group_id"]
         self.advantages.load_state(state.get("advantages", {}))
+        self.sampler.load_state(state.get("sampler", {}))
         set_rng_state(state["rng"])
         print(
             f"checkpoint: resumed from {path} at step {step}"

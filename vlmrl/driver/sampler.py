@@ -38,7 +38,11 @@ class Rollout:
     """Agent rollouts: the advantages, computed per rollout before the passes so that rows could be trimmed to
     whole mini-batches first; None: the step computes them after the passes."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """The agents' counts (rollouts by status, calls, rows) and the rows trimmed."""
+    """The agents' counts (rollouts by status, calls, rows) and the rows trimmed; asynchronous training's
+    staleness counters."""
+    on_policy: bool = True
+    """Every token was sampled by the weights that train it (asynchronous training can hand over older ones,
+    whose old log-probs then need their own pass)."""
 
 
 class NoAgentRowsError(RuntimeError):
@@ -90,6 +94,16 @@ class RolloutSampler:
             return rewards
 
         return Rollout(batch, collect)
+
+    def weights_synced(self) -> None:
+        """The engines hold new weights (asynchronous training counts versions; here nothing to do)."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the sampler: nothing, every step's prompts are its own."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
 
     def _generate(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Batch:
         group_ids = self.new_group_ids(len(prompts))

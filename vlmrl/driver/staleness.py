@@ -43,17 +43,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from vlmrl.algos.common import ConfigEnum
-
-
-class StalePolicy(ConfigEnum):
-    """What happens to a group whose oldest token is more than ``eta`` versions old when it would train."""
-
-    drop = "drop"
-    """Discard it; its slot is given back and a new group is admitted in its place."""
-    requeue = "requeue"
-    """Put its prompt back among the waiting groups, to be generated again with newer weights."""
-    accept = "accept"
-    """Train it anyway and count it in ``accepted_stale`` (the bound is then a soft one)."""
+from vlmrl.config import StalePolicy  # an option of the config: defined there, used here
 
 
 class StaleAction(ConfigEnum):

@@ -23,6 +23,7 @@ from vlmrl.config import Config, ConfigError
 from vlmrl.config.loading import parse
 from vlmrl.plan import Cluster, detect_cluster
 from vlmrl.validate.agents import external_agent_problems, multi_turn_problems
+from vlmrl.validate.async_rl import async_problems
 from vlmrl.validate.reward_model import reward_model_problems
 from vlmrl.validate.features import (
     device_problems,
@@ -74,6 +75,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *validation_problems(config),
         *multi_turn_problems(config),
         *external_agent_problems(config),
+        *async_problems(config),
         *reward_model_problems(config, cluster),
         *checkpoint_problems(config.trainer),
         *logger_problems(config.trainer.logger),

@@ -101,6 +101,7 @@ class ExternalAgents:
         self.positions = positions
         self.engine_seed = engine.seed
         self._calls = itertools.count()
+        self._told_mismatch = False
         self.aggregation = config.algorithm.trace_aggregation
         self.on_failure = opts.on_failure
         self.max_prompt_length, self.max_response_length = data.max_prompt_length, data.max_response_length
@@ -138,10 +139,11 @@ class ExternalAgents:
             log.warning("agent rollout left out: %s", _describe(r))
         done = {r.rollout_id: r for r in run.rollouts if r.status is AgentStatus.ok}
         aggregated = aggregate({rid: r.calls for rid, r in done.items()}, self.aggregation, self.tokenizer.decode)
-        for m in aggregated.mismatches[:1]:  # the first, with both views, so a user can see where they part
+        for m in aggregated.mismatches[: 1 - self._told_mismatch]:  # once per run, with both views
+            self._told_mismatch = True
             log.warning(
-                "%d call(s) did not continue their row (trace/mismatches); the first, rollout %s call %d (%s, from "
-                "token %d): the row so far ends %r; the call's prompt ends %r",
+                "%d call(s) did not continue their row (counted in trace/mismatches; this is said once per run); "
+                "the first, rollout %s call %d (%s, from token %d): the row so far ends %r; the call's prompt ends %r",
                 len(aggregated.mismatches), m.rollout_id, m.call_index, m.reason, m.diverges_at, m.previous[-200:],
                 m.current[-200:],
             )  # fmt: skip

@@ -430,5 +430,6 @@ class WorkerGroup:
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
         self.call_all("save_checkpoint", path, model_only, hf_weights)
 
-    def load_checkpoint(self, path: str) -> bool:
-        return all(self.call_all("load_checkpoint", path))
+    def load_checkpoint(self, path: str, version: int = 1) -> bool:
+        """Collective: every worker restores ``path``; its engine then samples as policy ``version``."""
+        return all(self.call_all("load_checkpoint", path, version))

@@ -136,8 +136,11 @@ class HybridWorker:
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
         self.trainer.save_checkpoint(path, model_only, hf_weights)
 
-    def load_checkpoint(self, path: str) -> bool:
-        """Collective: restore the trainer from ``path`` and resync the engine; whether optimizer state came back."""
+    def load_checkpoint(self, path: str, version: int = 1) -> bool:
+        """Collective: restore the trainer from ``path`` and resync the engine, which then samples as policy
+        ``version`` (the syncs the saved run had made, so token versions continue); whether optimizer state
+        came back."""
         restored_optimizer = self.trainer.load_checkpoint(path)
+        self.policy_version = max(version, 1) - 1
         self.sync_weights()
         return restored_optimizer

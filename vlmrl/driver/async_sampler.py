@@ -1,0 +1,202 @@
+"""Asynchronous training's rollouts, colocated (``worker.rollout.async_rl``): groups admitted ahead of the
+trainer under a staleness bound, scored while it trains, consumed in data order.
+
+The unit is the GRPO prompt group. Each step:
+
+1. The step's prompts join the waiting queue, each with its group id (so its seed) fixed on arrival.
+2. Admission (``StalenessManager``, AReaL's rule): as many waiting groups as the bound allows start. They
+   are generated now, by the engines at the current version, and their rewards are launched; a step's
+   groups beyond the ones it trains are carried over, and their rewards are scored while the trainer
+   trains (the reward actor runs apart from the workers). More prompts are drawn when the queue is short.
+3. Consumption: the oldest admitted groups, in admission order (which is data order), never in the order
+   they finish; a group waits for its rewards if they are not in. At consumption each group is checked:
+   its oldest generated token may be at most ``max_head_offpolicyness`` versions behind the weights that
+   train it (admission alone does not guarantee it, AReaL #602). A stale group is dropped, requeued or
+   accepted and counted (``stale_policy``).
+
+With ``max_head_offpolicyness = 0`` a step admits exactly its own prompts, generates them in the calls
+the synchronous sampler makes, and trains them at the version that sampled them: the synchronous run.
+
+Colocated, the engine and the actor share each worker and take turns, so generation never overlaps an
+update and no response straddles two versions; what overlaps the trainer is the scoring. A checkpoint
+holds the manager's counters and the groups drawn but not yet trained (their rows and group ids), never
+the generated work: a resumed run generates them again, so each prompt trains once (AReaL #1388).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vlmrl.config import Config
+from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.sampler import Rollout
+from vlmrl.driver.scoring import Rewards, Scorer, ScoringJob
+from vlmrl.driver.staleness import StaleAction, StalenessManager
+from vlmrl.records import Batch, PromptSample
+from vlmrl.rollout.engine import Sampling
+
+
+@dataclass
+class _Call:
+    """One generation call's groups: their rows and the reward job scoring them."""
+
+    batch: Batch
+    job: ScoringJob
+    rewards: Rewards | None = None
+
+
+@dataclass
+class _Group:
+    group_id: int
+    prompt: PromptSample
+    call: _Call | None = None
+    admitted_at: int = 0
+    """The policy version when it was admitted (and generated)."""
+
+
+class AsyncRolloutSampler:
+    """The step's groups under a staleness bound; ``sample`` has the synchronous sampler's signature."""
+
+    def __init__(
+        self,
+        config: Config,
+        workers,
+        scorer: Scorer,
+        sampling: Sampling,
+        new_group_ids: Callable[[int], list[int]],
+        prompt_by_row: Callable[[int], PromptSample],
+    ):
+        a = config.worker.rollout.async_rl
+        self.groups_per_step = config.data.rollout_batch_size
+        self.manager = StalenessManager(
+            self.groups_per_step,
+            a.max_concurrent_rollouts or (a.max_head_offpolicyness + 1) * self.groups_per_step,
+            a.max_head_offpolicyness,
+            a.stale_policy,
+        )
+        self.workers, self.scorer, self.sampling = workers, scorer, sampling
+        self.new_group_ids, self.prompt_by_row = new_group_ids, prompt_by_row
+        self.prompts_per_call = config.data.mini_rollout_batch_size or config.data.rollout_batch_size
+        self.waiting: deque[_Group] = deque()
+        """Drawn, not admitted: in data order (requeued groups go first)."""
+        self.admitted: deque[_Group] = deque()
+        """Admitted and not yet consumed, in admission order."""
+        self.counts = {"reward_wait_s": 0.0, "generate_s": 0.0, "timeouts": 0.0}
+
+    # ------------------------------------------------------------------ the step
+
+    def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
+        """The step's ``groups_per_step`` groups, in admission order, scored; drawing more prompts as needed."""
+        self._enqueue(prompts)
+        self.counts = {"reward_wait_s": 0.0, "generate_s": 0.0, "timeouts": 0.0}
+        version = self.manager.version
+        taken: list[_Group] = []
+        lags: list[int] = []
+        stale = {action: 0 for action in StaleAction}
+        while len(taken) < self.groups_per_step:
+            self._admit(more_prompts)
+            if not self.admitted:
+                raise RuntimeError(f"async sampler: nothing admitted and nothing to train ({self.manager.stats()})")
+            group = self.admitted.popleft()
+            rows = self._rows(group)
+            decision = self.manager.check(rows.policy_versions.flatten().tolist(), version)
+            if decision.stale:
+                stale[decision.action] += 1
+            if decision.action is StaleAction.train:
+                taken.append(group)
+                lags.append(decision.lag)
+            elif decision.action is StaleAction.requeue:
+                # A new group id: its rows get new sample ids and a new seed, sampled by newer weights.
+                self.waiting.appendleft(_Group(self.new_group_ids(1)[0], group.prompt))
+        batch = Batch.concat([self._rows(g) for g in taken])
+        rewards = self._rewards(taken, batch)
+        generated = batch.policy_versions[batch.policy_versions >= 0]
+        stats = self.manager.stats()
+        metrics = {
+            **{f"async/{k}": float(v) for k, v in stats.items()},
+            "async/lag/mean": float(sum(lags) / len(lags)),
+            "async/lag/max": float(max(lags)),
+            "async/token_lag/mean": float((version - generated).float().mean()) if generated.numel() else 0.0,
+            "async/stale_dropped": float(stale[StaleAction.drop]),
+            "async/stale_requeued": float(stale[StaleAction.requeue]),
+            "async/stale_accepted": float(stale[StaleAction.train]),
+            "async/carried_over": float(len(self.admitted)),
+            "async/carried_over_age": float(max((version - g.admitted_at for g in self.admitted), default=0)),
+            "timing_s/async/reward_wait": self.counts["reward_wait_s"],
+            "timing_s/async/generate": self.counts["generate_s"],
+        }
+        on_policy = bool(generated.numel()) and bool((generated == version).all())
+        return Rollout(batch, lambda: rewards, metrics=metrics, on_policy=on_policy)
+
+    def weights_synced(self) -> None:
+        """The engines hold the weights of one more update."""
+        self.manager.set_version(self.manager.version + 1)
+
+    # ------------------------------------------------------------------ admission and scoring
+
+    def _enqueue(self, prompts: list[PromptSample]) -> None:
+        ids = self.new_group_ids(len(prompts))
+        self.waiting.extend(_Group(g, p) for g, p in zip(ids, prompts, strict=True))
+        self.manager.enqueue(len(prompts))
+
+    def _admit(self, more_prompts: Callable[[], list[PromptSample]]) -> None:
+        """Start as many waiting groups as the bound allows, generate them, and launch their rewards."""
+        want = self.manager.capacity()
+        while len(self.waiting) < want:  # the queue is short: draw the next prompts
+            self._enqueue(more_prompts())
+        starting = [self.waiting.popleft() for _ in range(want)]
+        for g in starting:
+            self.manager.start()
+            g.admitted_at = self.manager.version
+            self.admitted.append(g)
+        # In calls of data.mini_rollout_batch_size prompts, as the synchronous sampler makes them.
+        for i in range(0, len(starting), self.prompts_per_call):
+            part = starting[i : i + self.prompts_per_call]
+            t0 = time.perf_counter()
+            batch = self.workers.generate([g.prompt for g in part], [g.group_id for g in part], self.sampling)
+            self.counts["generate_s"] += time.perf_counter() - t0
+            call = _Call(batch, self.scorer.launch(batch))
+            for g in part:
+                g.call = call
+
+    def _rows(self, group: _Group) -> Batch:
+        """The group's rows, its rewards assigned (waiting for them if they are not in yet)."""
+        call = group.call
+        if call.rewards is None:
+            t0 = time.perf_counter()
+            call.rewards = self.scorer.collect(call.job, call.batch)
+            self.counts["reward_wait_s"] += time.perf_counter() - t0
+            call.rewards.assign_to(call.batch)
+            self.counts["timeouts"] += call.rewards.metrics.get("reward/timeouts", 0)
+            for _ in range(len(set(call.batch.group_ids.tolist()))):
+                self.manager.finish()
+        rows = (call.batch.group_ids == group.group_id).nonzero().flatten()
+        return call.batch.select(rows)
+
+    def _rewards(self, taken: list[_Group], batch: Batch) -> Rewards:
+        """The step's rewards: its rows' scores and their means (as a synchronous step reports), and the
+        timeouts of the reward calls collected during the step."""
+        metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="reward"), "reward/timeouts": self.counts["timeouts"]}
+        return Rewards(batch.token_level_scores, batch.reward_metrics, metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict:
+        """The counters and the groups drawn but not trained (row, group id), waiting ones after admitted ones."""
+        pending = [*self.admitted, *self.waiting]
+        return {
+            "staleness": self.manager.state_dict(),
+            "pending": [(g.prompt.index, g.group_id) for g in pending],
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Restore a checkpoint: the groups it had drawn and not trained wait again, to be generated anew."""
+        if not state:
+            return
+        self.manager.load_state_dict(state["staleness"])
+        self.waiting = deque(_Group(int(g), self.prompt_by_row(int(row))) for row, g in state["pending"])
+        self.admitted = deque()
+        self.manager.enqueue(len(self.waiting))

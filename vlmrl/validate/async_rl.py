@@ -1,0 +1,54 @@
+"""Asynchronous training (``worker.rollout.async_rl``): the bound, the placement, and what it cannot run with."""
+
+from __future__ import annotations
+
+from vlmrl.algos import ADVANTAGE_ESTIMATORS
+from vlmrl.config import AsyncPlacement, Config
+
+P = "worker.rollout.async_rl"
+
+
+def async_problems(config: Config) -> list[str]:
+    a = config.worker.rollout.async_rl
+    if not a.enable:
+        return []
+    problems: list[str] = []
+    eta, groups = a.max_head_offpolicyness, config.data.rollout_batch_size
+    if eta < 0:
+        problems.append(f"{P}.max_head_offpolicyness={eta}: must be 0 (the synchronous schedule) or more")
+    if a.max_concurrent_rollouts is not None and a.max_concurrent_rollouts < groups:
+        problems.append(
+            f"{P}.max_concurrent_rollouts={a.max_concurrent_rollouts}: below data.rollout_batch_size={groups}, a step "
+            "could never gather its groups; raise it, or null for (max_head_offpolicyness + 1) x rollout_batch_size"
+        )
+    if a.placement is AsyncPlacement.disaggregated:
+        problems.append(
+            f"{P}.placement=disaggregated is not built yet (rollout workers apart from the trainer); use colocated"
+        )
+    if a.placement is AsyncPlacement.colocated and a.weight_sync_interval != 1:
+        problems.append(
+            f"{P}.weight_sync_interval={a.weight_sync_interval}: colocated, the engine gets the weights after every "
+            "update (its workers hold both); set 1"
+        )
+    if eta > 0 and not config.worker.actor.use_decoupled_loss:
+        problems.append(
+            f"{P}.max_head_offpolicyness={eta} without worker.actor.use_decoupled_loss=true: tokens up to {eta} "
+            "version(s) old need the loss corrected for the policy that sampled them; set "
+            "worker.actor.use_decoupled_loss=true and worker.rollout.calculate_log_probs=true (or eta=0)"
+        )
+    if config.algorithm.online_filtering:
+        problems.append(
+            f"algorithm.online_filtering=true with {P}.enable=true: dynamic sampling refills a step's batch from "
+            "fresh prompts, which admission under the bound does not do yet; set algorithm.online_filtering=false"
+        )
+    if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_greedy_baseline:
+        problems.append(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator.value} with {P}.enable=true: its greedy "
+            "baseline is sampled with the step's weights beside the step's prompts; use grpo or rloo"
+        )
+    if config.worker.rollout.agent:
+        problems.append(
+            f"worker.rollout.agent with {P}.enable=true: an external agent's rollouts are not admitted under the "
+            "bound yet (the built-in multi_turn loop's are); drop one of them"
+        )
+    return problems
