@@ -109,7 +109,8 @@ class AsyncRolloutSampler:
                 taken.append(group)
                 lags.append(decision.lag)
             elif decision.action is StaleAction.requeue:
-                # A new group id: its rows get new sample ids and a new seed, sampled by newer weights.
+                # First in the queue; a new group id gives its rows new sample ids and a new seed, for the
+                # newer weights.
                 self.waiting.appendleft(_Group(self.new_group_ids(1)[0], group.prompt))
         batch = Batch.concat([self._rows(g) for g in taken])
         rewards = self._rewards(taken, batch)
