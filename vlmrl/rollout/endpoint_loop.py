@@ -57,6 +57,11 @@ class EngineLoop:
         with self._cond:
             if self._closing:
                 raise Aborted("the endpoint is closed")
+            # Outputs are matched to futures by id: a second request under a live id would leave the first
+            # future unresolved forever.
+            rid = request.request_id
+            if rid in self._in_flight or any(p[0].request_id == rid for p in self._pending):
+                raise ValueError(f"request id {rid!r} is already queued or in flight; request ids must be unique")
             self._pending.append((request, future))
             self._cond.notify_all()
         return future

@@ -1,0 +1,198 @@
+"""The rollout role on its own: an engine that keeps generating while new weights arrive (disaggregated placement).
+
+``RolloutServer`` runs as a threaded Ray actor, apart from the trainer workers
+(``start_rollout_server``). Its engine is built as ``RolloutWorker`` builds it
+and is owned by one ``EngineLoop`` thread; every other method runs on one of
+Ray's call threads and talks to the engine only through the loop, so:
+
+- several ``generate`` calls may be in flight at once; each submits its seeded
+  requests and waits for their futures, and their requests share engine steps;
+- ``load_weights`` fetches the weights on its call thread while the engine
+  keeps stepping, then loads them on the loop's thread between two steps.
+  ``continue`` and ``reprefill`` interrupt the requests in flight
+  (``InterruptMode``); ``refuse`` holds new requests, waits until those in
+  flight have finished, loads, and lets the held ones in, so that no output
+  straddles two versions.
+
+Every trajectory carries, per response token, the version of the weights that
+sampled it (``SampleOutput.versions``), so a response that straddled a load has
+tokens of two versions. Single-turn only: the multi-turn loop and the agent
+endpoint drive the engine themselves and are refused here.
+
+The server returns trajectories without pixels (``Trajectory.slim``), as the
+colocated worker does: the driver holds the prompts' media.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any
+
+import ray
+from transformers import AutoConfig
+
+from vlmrl.config import Config
+from vlmrl.plan import Plan
+from vlmrl.records import PromptSample, Trajectory
+from vlmrl.rollout.endpoint_loop import EngineLoop
+from vlmrl.rollout.engine import EngineOutput, InterruptMode, NamedTensors, Sampling
+from vlmrl.rollout.sampling import media_offsets, sampling_mask, seeded_requests
+from vlmrl.train.models import apply_overrides, load_processor, tokenizer_of
+from vlmrl.weight_sync.object_store import WeightBuckets
+from vlmrl.workers.rollout import RolloutWorker
+
+ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+"""The server's process environment: vLLM's engine core in the actor's own process (so ``load_weights`` hands
+it the tensors directly), and no tokenizer threads fighting the engine for the cores."""
+
+
+class RolloutServer:
+    """An engine behind a loop thread; meant for ``ray.remote(RolloutServer).options(max_concurrency=...)``."""
+
+    def __init__(self, config: Config, plan: Plan, rank: int = 0):
+        rollout = config.worker.rollout
+        if rollout.multi_turn.enable or rollout.agent:
+            raise ValueError(
+                "RolloutServer serves single-turn rollouts only; worker.rollout.multi_turn.enable and "
+                "worker.rollout.agent need the colocated worker"
+            )
+        if plan.tensor_parallel_size > 1:
+            # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
+            raise ValueError(
+                f"RolloutServer runs one engine per actor; tensor_parallel_size={plan.tensor_parallel_size}"
+            )
+        model = config.worker.actor.model
+        processor = load_processor(model.tokenizer_path or model.model_path)
+        tokenizer = tokenizer_of(processor)
+        # The trainer bans the same tokens from the actor's vocabulary (``TrainerWorker.allowed_tokens``).
+        hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
+        apply_overrides(hf_config, dict(model.override_config))
+        allowed = sampling_mask(tokenizer, hf_config.get_text_config().vocab_size)
+        # RolloutWorker's construction, unchanged; with the modes above refused it builds only the engine.
+        worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor)
+        self.engine, self.pad_ids = worker.engine, worker.pad_ids
+        self.loop = EngineLoop(self.engine)
+        self._calls = itertools.count()
+        """Numbers each generate call; its request ids start with it, unique among the calls in flight."""
+        self._load_lock = threading.Lock()
+        """One weight load at a time: a refuse-mode load pauses the loop, which another load must not undo."""
+
+    # ---------------------------------------------------------------- rollout
+
+    def generate(
+        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """n trajectories per prompt, in prompt order, without pixels; the seconds of the call's pieces.
+
+        Thread-safe. The requests are seeded by group id (``seeded_requests``),
+        so a group samples the same tokens whichever other calls share the engine.
+        """
+        t0 = time.perf_counter()
+        call = next(self._calls)  # itertools.count's next is atomic under the GIL
+        requests = [
+            dataclasses.replace(r, request_id=f"{call}/{r.request_id}")
+            for r in seeded_requests(prompts, group_ids, sampling, self.engine.seed)
+        ]
+        futures = []
+        try:
+            for request in requests:
+                futures.append(self.loop.submit(request))
+            t1 = time.perf_counter()
+            outputs: list[EngineOutput] = [f.result() for f in futures]
+        except BaseException:
+            # A failed request or a closing server: the call's other requests must not run on for nobody.
+            self.loop.abort([r.request_id for r in requests])
+            raise
+        t2 = time.perf_counter()
+        trajectories = [
+            t.slim()
+            for prompt, group_id, output in zip(prompts, group_ids, outputs, strict=True)
+            for t in self._trajectories(prompt, group_id, output, sampling.temperature)
+        ]
+        # "engine": waiting for the outputs, which includes sharing steps with other calls and any weight load.
+        return trajectories, {"requests": t1 - t0, "engine": t2 - t1, "trajectories": time.perf_counter() - t2}
+
+    def _trajectories(
+        self, prompt: PromptSample, group_id: int, output: EngineOutput, temperature: float
+    ) -> list[Trajectory]:
+        offsets = media_offsets(prompt.input_ids, self.pad_ids)
+        trajectories = []
+        for i, sample in enumerate(output.samples):
+            t = Trajectory.single_turn(
+                prompt, group_id, i, sample.token_ids, sample.text, temperature, sample.log_probs,
+                output.version, offsets,
+            )  # fmt: skip
+            if sample.versions:  # per token: a sample that straddled a weight load has tokens of two versions
+                t = dataclasses.replace(t, versions=[-1] * t.prompt_length + list(sample.versions))
+            trajectories.append(t)
+        return trajectories
+
+    # ---------------------------------------------------------------- weights
+
+    def load_weights(
+        self, weights: WeightBuckets | NamedTensors, version: int, interrupt: InterruptMode | str = "continue"
+    ) -> dict[str, float]:
+        """Replace the engine's weights (HF names, full tensors) and make them policy ``version``.
+
+        ``weights``: the object-store buckets of a sync (``vlmrl.weight_sync.object_store.push_weights``)
+        or ``(name, tensor)`` pairs. ``interrupt``: an ``InterruptMode`` or its value ("continue",
+        "reprefill", "refuse"). Returns the seconds spent fetching and loading.
+        """
+        mode = InterruptMode(interrupt)
+        t0 = time.perf_counter()
+        # Fetched here, on a call thread, so the engine keeps generating while the tensors arrive.
+        named = weights.fetch() if isinstance(weights, WeightBuckets) else list(weights)
+        t1 = time.perf_counter()
+        with self._load_lock:
+            if mode is InterruptMode.refuse:
+                self.loop.pause()
+                try:
+                    self.loop.drain()
+                    waited = time.perf_counter()
+                    self.loop.call(lambda engine: engine.load_weights(named, version))
+                finally:
+                    self.loop.resume()
+            else:
+                waited = time.perf_counter()
+                self.loop.call(lambda engine: engine.load_weights(named, version, mode))
+        return {
+            "timing_s/resync_fetch": t1 - t0,
+            "timing_s/resync_drain": waited - t1,
+            "timing_s/resync_engine": time.perf_counter() - waited,
+        }
+
+    def version(self) -> int:
+        """The policy version of the weights loaded now (0: the ones the engine started on)."""
+        return self.engine.version
+
+    def in_flight(self) -> int:
+        """Requests added to the engine and not finished (for admission and tests)."""
+        return self.loop.in_flight()
+
+    def close(self) -> None:
+        """Abort everything queued or in flight (their generate calls raise ``Aborted``) and stop the loop."""
+        self.loop.close()
+
+
+def start_rollout_server(
+    config: Config, plan: Plan, rank: int = 0, *, max_concurrency: int = 8, num_cpus: float = 1, num_gpus: float = 0,
+    **options: Any,
+):
+    """A ``RolloutServer`` actor (building; call ``version`` to wait for it).
+
+    ``max_concurrency``: Ray call threads. Each generate call in flight holds one
+    until its requests finish, and a weight load needs one while they run, so it
+    must exceed the generate calls the caller keeps in flight. ``options``: more
+    Ray actor options (a scheduling strategy, a name; a ``runtime_env`` of the
+    caller's replaces the one with ``ENV_VARS``).
+    """
+    options.setdefault("runtime_env", {"env_vars": dict(ENV_VARS)})
+    return (
+        ray.remote(RolloutServer)
+        .options(max_concurrency=max_concurrency, num_cpus=num_cpus, num_gpus=num_gpus, **options)
+        .remote(config, plan, rank)
+    )
+
