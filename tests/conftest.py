@@ -86,3 +86,57 @@ def manager():
     yield build
     for m in built:
         m.close()
+
+
+# ------------------------------------------------------------------ shared in-process vLLM engines
+#
+# tests/test_engine.py and tests/test_engine_interrupt.py build the very same tiny in-process engine; the
+# fixture below builds it once for both. It is torn down as soon as the next test to run does not use it
+# (after that test's own module fixtures are finalized), so it is never up while another module builds its
+# own engine, as when each module built one; a later user would build it again. The tests that share it
+# leave it idle, on the weights it started on, as they already did between the tests of one module.
+
+
+class SharedEngine:
+    """An engine built on first use from a context manager, closed by ``close`` (and built again if asked)."""
+
+    def __init__(self, build):
+        self._build, self._context, self._engine = build, None, None
+
+    def get(self):
+        if self._context is None:
+            context = self._build()
+            self._engine = context.__enter__()
+            self._context = context
+        return self._engine
+
+    def close(self) -> None:
+        context, self._context, self._engine = self._context, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+_SHARED_ENGINES: dict[str, SharedEngine] = {}  # fixture name -> its engine
+
+
+@pytest.fixture(scope="session")
+def engine_tests_engine(tiny_assets) -> SharedEngine:
+    """The engine of tests/test_engine.py and tests/test_engine_interrupt.py: the tiny model in float32, seed 3,
+    max_model_len 512 (tests/helpers/agent_endpoint.py's tiny_engine)."""
+    from helpers.agent_endpoint import tiny_engine
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
+    shared = _SHARED_ENGINES["engine_tests_engine"] = SharedEngine(
+        lambda: tiny_engine(tiny_assets.model_dir, processor, 512, seed=3)
+    )
+    yield shared
+    shared.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own fixtures (a module's fixtures over the engine among them) are finalized first
+    for name, shared in _SHARED_ENGINES.items():
+        if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):
+            shared.close()

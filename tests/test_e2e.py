@@ -59,29 +59,32 @@ def test_actor_parameters_changed(run):
     assert all(torch.isfinite(t).all() for t in final.values())
 
 
-def _fresh_vllm_greedy(model_dir: Path, data_file: Path, generations: list[dict]) -> list[dict]:
+def _fresh_vllm_greedy(model_dirs: list[Path], data_file: Path, generations: list[dict]) -> list[list[dict]]:
+    """A fresh engine's greedy decode for each of ``model_dirs`` (one subprocess, one engine after the other)."""
     requests = [f"{g['row']}:{len(g['response_ids'])}" for g in generations]
     proc = subprocess.run(
-        [sys.executable, "tests/helpers/vllm_greedy.py", str(model_dir), str(data_file), *requests],
+        [sys.executable, "tests/helpers/vllm_greedy.py", ",".join(map(str, model_dirs)), str(data_file), *requests],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(model_dirs), proc.stdout[-3000:]
+    return [json.loads(line.removeprefix("RESULT ")) for line in lines]
 
 
 def test_resynced_vllm_matches_a_fresh_engine_on_the_actor_weights(run):
     """The in-loop engine, after the last resync, scores exactly like one loaded from the saved actor."""
     generations = run["generations"]
     assert len(generations) == E2E_SAMPLES_LOGGED
-    fresh = _fresh_vllm_greedy(run["final_weights"], run["assets"].val_file, generations)
+    fresh, untrained = _fresh_vllm_greedy(
+        [run["final_weights"], run["assets"].model_dir], run["assets"].val_file, generations
+    )
     for g, f in zip(generations, fresh):
         assert f["ids"] == g["response_ids"]
         torch.testing.assert_close(
             torch.tensor(f["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5, rtol=0
         )
     # Control: the untrained weights give other log-probs, so the comparison above can fail.
-    untrained = _fresh_vllm_greedy(run["assets"].model_dir, run["assets"].val_file, generations)
     assert any(
         u["ids"] != g["response_ids"]
         or not torch.allclose(torch.tensor(u["log_probs"]), torch.tensor(g["rollout_log_probs"]), atol=1e-5)

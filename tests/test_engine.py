@@ -11,16 +11,13 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import EngineBusy, EngineRequest, Sampling
-from vlmrl.rollout.sampling import sampling_mask, seeded_requests
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.sampling import seeded_requests
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 
@@ -31,28 +28,10 @@ def processor(tiny_assets):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_assets, processor):
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(tiny_assets.model_dir),
-        dtype="float32",
-        seed=3,
-        max_model_len=512,
-        max_num_batched_tokens=512,
-        enforce_eager=True,
-        gpu_memory_utilization=0.5,
-        cpu_kvcache_space_gb=1,
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
-    )
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+def engine(engine_tests_engine):
+    """The float32 tiny engine (seed 3, max_model_len 512) that tests/test_engine.py and
+    tests/test_engine_interrupt.py share (tests/conftest.py); each test leaves it idle, on its first weights."""
+    return engine_tests_engine.get()
 
 
 @pytest.fixture(scope="module")

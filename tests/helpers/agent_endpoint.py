@@ -24,11 +24,11 @@ def resize(processor):
 
 
 @contextmanager
-def tiny_engine(model_dir, processor, max_model_len: int):
+def tiny_engine(model_dir, processor, max_model_len: int, seed: int = 5):
     """A float32 VLLMEngine on the tiny model, torn down (and torch's threads restored) on exit."""
     threads = torch.get_num_threads()
     engine = VLLMEngine(
-        str(model_dir), dtype="float32", seed=5, max_model_len=max_model_len,
+        str(model_dir), dtype="float32", seed=seed, max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
         allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),

@@ -3,9 +3,14 @@
 Run as a subprocess by the end-to-end test, so that the engine (which patches
 torch's thread settings process-wide) stays out of the pytest process.
 
-    python tests/helpers/vllm_greedy.py MODEL_DIR DATA_FILE ROW:MAX_TOKENS [ROW:MAX_TOKENS ...]
+    python tests/helpers/vllm_greedy.py MODEL_DIR[,MODEL_DIR...] DATA_FILE ROW:MAX_TOKENS [ROW:MAX_TOKENS ...]
+
+Several comma-separated model directories: each is decoded by its own fresh engine, one after the other
+in this one process (the first torn down before the next starts), and each prints its RESULT line, in
+the order given. One process saves the second start-up of Python, torch and vLLM.
 """
 
+import gc
 import json
 import os
 import sys
@@ -24,9 +29,15 @@ from vlmrl.rollout.sampling import sampling_mask  # noqa: E402
 
 
 def main() -> None:
-    model_dir, data_file, *requests = sys.argv[1:]
+    model_dirs, data_file, *requests = sys.argv[1:]
     # The dataset settings are the quickstart's, which the end-to-end run also used.
     data = load_config(["config=examples/quickstart.yaml"]).data
+    for model_dir in model_dirs.split(","):
+        print("RESULT " + json.dumps(greedy(model_dir, data_file, requests, data)), flush=True)
+
+
+def greedy(model_dir: str, data_file: str, requests: list[str], data) -> list[dict]:
+    """Greedy tokens and log-probs of each ROW:MAX_TOKENS request from a fresh engine on ``model_dir``."""
     processor = AutoProcessor.from_pretrained(model_dir)
     dataset = RLHFDataset(
         data_file,
@@ -60,7 +71,12 @@ def main() -> None:
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         ids = list(out.token_ids)
         results.append({"row": row, "ids": ids, "log_probs": [lp[t].logprob for lp, t in zip(out.logprobs, ids)]})
-    print("RESULT " + json.dumps(results))
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()  # so that the next model's engine starts fresh in this process
+    return results
 
 
 if __name__ == "__main__":
