@@ -17,7 +17,10 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers.runs import E2E_N, E2E_PROMPTS, E2E_STEPS, E2E_TRAINING, logging_reward, read_metrics, run_main, tail
+from helpers.resume_point import resume_point
+from helpers.runs import (
+    E2E_N, E2E_PROMPTS, E2E_STEPS, E2E_TRAINING, experiment_dir, logging_reward, read_metrics, run_main, tail,
+)  # fmt: skip
 from safetensors.torch import load_file
 
 ASYNC = ["worker.rollout.async_rl.enable=true"]
@@ -103,13 +106,15 @@ def test_eta_1_trains_groups_one_version_old_and_never_older(eta1):
 
 @pytest.fixture(scope="module")
 def resumed(eta1, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("async_resumed")
-    args = _eta1_command(tmp)
-    crashed = run_main(tmp / "out", *args, experiment="eta1", crash_in_save_at=2, timeout=900)
-    assert crashed.returncode != 0, "the fault injection should have killed the run"
-    again = run_main(tmp / "out", *args, experiment="eta1", timeout=900)
+    """The eta=1 run as it stood after step 1 (a checkpoint holding the groups admitted for step 2), started
+    again with the same command; it appends to the same reward log. (A save killed part way is
+    tests/test_resume.py's concern.)"""
+    scored_before = len(_scored(eta1))
+    out = tmp_path_factory.mktemp("async_resumed") / "out"
+    copy = resume_point(experiment_dir(eta1 / "out", "eta1"), experiment_dir(out, "eta1"), step=1)
+    again = run_main(out, *_eta1_command(eta1), experiment="eta1", timeout=900)
     assert again.returncode == 0, tail(again)
-    return tmp, again.stdout + again.stderr
+    return copy, scored_before, again.stdout + again.stderr
 
 
 def _scored(tmp) -> list[str]:
@@ -119,18 +124,17 @@ def _scored(tmp) -> list[str]:
 
 
 def test_a_resumed_async_run_trains_the_same_prompts(eta1, resumed):
-    tmp, log = resumed
+    copy, before, log = resumed
     assert "resumed from" in log and "global_step_1" in log
     batch = E2E_PROMPTS
-    uninterrupted = _scored(eta1)  # steps 1 to 3 train batches 1-3; batch 4 was admitted and scored ahead
-    assert len(uninterrupted) == 4 * batch
-    scored = _scored(tmp)
-    # Killed while saving step 2: it had scored batches 1-3. The checkpoint of step 1 holds batch 2 as drawn
-    # and not trained; the resumed run generates it again, then batches 3 and 4: batch 1 is not repeated and
-    # batch 2 is not lost.
-    assert len(scored) == 3 * batch + 3 * batch
-    assert Counter(scored[3 * batch :]) == Counter(uninterrupted[batch:])
-    steps = [m for m in read_metrics(tmp / "out", "eta1") if "actor/pg_loss" in m]
-    assert [m["step"] for m in steps][-2:] == [2, 3]
+    scored = _scored(eta1)
+    uninterrupted, again = scored[:before], scored[before:]
+    # Uninterrupted, steps 1 to 3 trained batches 1-3, and batch 4 was admitted and scored ahead.
+    assert before == 4 * batch
+    # The checkpoint of step 1 holds batch 2 as drawn and not trained: the resumed run generates it again,
+    # then batches 3 and 4. Batch 1 is not repeated, batch 2 is not lost.
+    assert Counter(again) == Counter(uninterrupted[batch:])
+    steps = [m for m in read_metrics(copy.parents[1], "eta1") if "actor/pg_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["async/lag/max"] <= 1 for m in steps)  # the bound holds after the resume
     assert steps[-1]["async/version"] == 2 and steps[-1]["async/consumed"] == 3 * batch

@@ -108,6 +108,10 @@ def test_eta_1_admits_a_step_ahead_and_trains_in_data_order():
     assert second.batch.group_ids.unique().tolist() == [2, 3]
     assert second.metrics["async/lag/max"] == 1 and not second.on_policy
     assert second.metrics["async/carried_over"] == 2
+    # The rewards come when the step collects them (after its passes), in the batch's row order.
+    rewards = second.collect()
+    assert rewards.per_sample["overall"] == second.batch.group_ids.float().tolist() == [2.0, 2.0, 3.0, 3.0]
+    assert rewards.token_level_scores[:, 0].tolist() == [2.0, 2.0, 3.0, 3.0]
 
 
 @pytest.mark.parametrize("policy", ["drop", "requeue"])

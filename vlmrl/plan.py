@@ -206,6 +206,9 @@ class Plan:
     tensor_parallel_size: int = 1
     """Workers that share one vLLM engine, sharded over them (worker.rollout.tensor_parallel_size): consecutive
     ranks on one node form a tensor-parallel group, and each group samples its own share of the prompts."""
+    rollout_servers: int = 0
+    """Rollout servers apart from the trainer workers (asynchronous training, disaggregated); 0: every worker
+    holds its own engine (colocated), and the training workers build none otherwise."""
 
     @property
     def rollout_groups(self) -> int:
@@ -238,8 +241,11 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     use_critic = uses_critic(config)
     model_path = actor.model.model_path
     val = rollout.val_override_config
+    dev = device(config, cluster)
+    a = rollout.async_rl
+    servers = a.rollout_workers if a.enable and a.placement == "disaggregated" else 0
     return Plan(
-        device=device(config, cluster),
+        device=dev,
         nnodes=config.trainer.nnodes,
         workers_per_node=config.trainer.n_gpus_per_node,
         world_size=world,
@@ -265,7 +271,8 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         use_critic=use_critic,
         kl_in_loss=kl_in_loss(config),
         kl_in_reward=kl_in_reward(config),
-        threads_per_worker=max(1, cluster.cpus // config.trainer.n_gpus_per_node),
+        # Rollout servers on CPU compute with a core each, beside the trainers.
+        threads_per_worker=max(1, (cluster.cpus - (servers if dev == "cpu" else 0)) // config.trainer.n_gpus_per_node),
         model_path=model_path,
         tokenizer_path=actor.model.tokenizer_path or model_path,
         critic_model_path=(worker.critic.model.model_path or model_path) if use_critic else None,
@@ -277,6 +284,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
         notes=_notes(config),
         tensor_parallel_size=rollout.tensor_parallel_size,
+        rollout_servers=servers,
     )
 
 
@@ -354,12 +362,18 @@ def describe(plan: Plan, config: Config) -> str:
     lines = [
         (
             f"workers: {plan.world_size} on {plan.device} ({plan.nnodes} node(s) x {plan.workers_per_node}), "
-            f"each holding {', '.join(holds)} and a vLLM engine"
+            f"each holding {', '.join(holds)}" + ("" if plan.rollout_servers else " and a vLLM engine")
             + (
                 f" shard ({plan.rollout_groups} engine(s), each over {plan.tensor_parallel_size} workers)"
                 if plan.tensor_parallel_size > 1
                 else ""
             )
+        ),
+        *(
+            [f"rollout servers: {plan.rollout_servers}, apart from the workers (which build no engine), each with its "
+             f"own vLLM engine on {'1 GPU' if plan.device == 'cuda' else '1 CPU'}"]  # fmt: skip
+            if plan.rollout_servers
+            else []
         ),
         f"weights: {dtypes}, engine {rollout.dtype.value}",
         (

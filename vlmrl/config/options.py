@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import enum
 
-from vlmrl.algos.common import ConfigEnum
+
+class _Choice(enum.StrEnum):
+    """A str Enum whose error for an unknown value lists the valid ones (as ``vlmrl.algos``' ConfigEnum does;
+    this module stays importable without torch, so it cannot use that one)."""
+
+    @classmethod
+    def _missing_(cls, value: object):
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}; choose one of: {valid}")
 
 __all__ = [
     "AgentFailurePolicy",
@@ -127,17 +135,19 @@ class AgentFailurePolicy(enum.StrEnum):
     """Fail the step with the rollout's id, status and error."""
 
 
-class AsyncPlacement(ConfigEnum):
+class AsyncPlacement(_Choice):
     """Where asynchronous training's rollouts run (``worker.rollout.async_rl.placement``)."""
 
     colocated = "colocated"
     """One pool: every worker hosts the FSDP actor and a vLLM engine, as in synchronous training. Groups admitted
     ahead are generated between updates, and their rewards are scored while the trainer trains."""
     disaggregated = "disaggregated"
-    """Rollout workers with their own engines, apart from the trainer workers; not built yet."""
+    """Rollout servers with their own engines (``rollout_workers`` of them), apart from the trainer workers, which
+    build no engine. Generation runs while the trainer trains; weights go to the servers through Ray's object
+    store after each update, interrupting the responses in flight (``partial_rollout``)."""
 
 
-class StalePolicy(ConfigEnum):
+class StalePolicy(_Choice):
     """What happens to a group whose oldest token is more than ``eta`` versions old when it would train."""
 
     drop = "drop"
@@ -148,7 +158,7 @@ class StalePolicy(ConfigEnum):
     """Train it anyway and count it in ``accepted_stale`` (the bound is then a soft one)."""
 
 
-class PartialRollout(ConfigEnum):
+class PartialRollout(_Choice):
     """What a weight update does to responses being generated (``worker.rollout.async_rl.partial_rollout``)."""
 
     keep_kv = "keep_kv"

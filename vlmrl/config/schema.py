@@ -448,7 +448,11 @@ class AsyncConfig:
     """A group whose oldest token is more than eta versions old when it would train: drop it, requeue its prompt
     for a fresh generation, or accept it and count it (the bound is then a soft one)."""
     placement: AsyncPlacement = AsyncPlacement.colocated
-    """colocated (one pool; the engine and the actor share each worker) or disaggregated (not built yet)."""
+    """colocated (one pool; the engine and the actor share each worker) or disaggregated (rollout servers with
+    their own engines, apart from the trainer workers)."""
+    rollout_workers: int = 1
+    """Disaggregated: rollout servers (Ray actors, each with its own vLLM engine; 1 GPU each, or 1 CPU on CPU),
+    besides the trainer.n_gpus_per_node x trainer.nnodes trainer workers."""
     partial_rollout: PartialRollout = PartialRollout.keep_kv
     """Disaggregated: what a weight update does to responses being generated."""
     weight_sync_interval: int = 1

@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from vlmrl.config import Config
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.sampler import Rollout
@@ -37,15 +39,18 @@ from vlmrl.driver.scoring import Rewards, Scorer, ScoringJob
 from vlmrl.driver.staleness import StaleAction, StalenessManager
 from vlmrl.records import Batch, PromptSample
 from vlmrl.rollout.engine import Sampling
+from vlmrl.workers.rollout_pool import PendingCall
 
 
 @dataclass
 class _Call:
-    """One generation call's groups: their rows and the reward job scoring them."""
+    """One generation call's groups: their rows and the reward job scoring them (disaggregated: not yet, while
+    the call is ``pending`` on the rollout servers)."""
 
-    batch: Batch
-    job: ScoringJob
+    batch: Batch | None = None
+    job: ScoringJob | None = None
     rewards: Rewards | None = None
+    pending: PendingCall | None = None
 
 
 @dataclass
@@ -78,24 +83,29 @@ class AsyncRolloutSampler:
             a.stale_policy,
         )
         self.workers, self.scorer, self.sampling = workers, scorer, sampling
+        self.pool = getattr(workers, "rollout_pool", None)
+        """Disaggregated: the rollout servers, generating while the trainer trains; None: the workers' engines."""
+        self.generating: list[_Call] = []
+        """Disaggregated: calls submitted to the servers and not yet collected, in submission order."""
         self.new_group_ids, self.prompt_by_row = new_group_ids, prompt_by_row
         self.prompts_per_call = config.data.mini_rollout_batch_size or config.data.rollout_batch_size
         self.waiting: deque[_Group] = deque()
         """Drawn, not admitted: in data order (requeued groups go first)."""
         self.admitted: deque[_Group] = deque()
         """Admitted and not yet consumed, in admission order."""
-        self.counts = {"reward_wait_s": 0.0, "generate_s": 0.0, "timeouts": 0.0}
+        self.counts = {"generate_s": 0.0}
 
     # ------------------------------------------------------------------ the step
 
     def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
         """The step's ``groups_per_step`` groups, in admission order, scored; drawing more prompts as needed."""
         self._enqueue(prompts)
-        self.counts = {"reward_wait_s": 0.0, "generate_s": 0.0, "timeouts": 0.0}
+        self.counts = {"generate_s": 0.0}
         version = self.manager.version
         taken: list[_Group] = []
         lags: list[int] = []
         stale = {action: 0 for action in StaleAction}
+        self._poll()
         while len(taken) < self.groups_per_step:
             self._admit(more_prompts)
             if not self.admitted:
@@ -113,7 +123,7 @@ class AsyncRolloutSampler:
                 # newer weights.
                 self.waiting.appendleft(_Group(self.new_group_ids(1)[0], group.prompt))
         batch = Batch.concat([self._rows(g) for g in taken])
-        rewards = self._rewards(taken, batch)
+        self._poll()  # calls finished meanwhile are scored while the trainer trains
         generated = batch.policy_versions[batch.policy_versions >= 0]
         stats = self.manager.stats()
         metrics = {
@@ -124,13 +134,15 @@ class AsyncRolloutSampler:
             "async/stale_dropped": float(stale[StaleAction.drop]),
             "async/stale_requeued": float(stale[StaleAction.requeue]),
             "async/stale_accepted": float(stale[StaleAction.train]),
+            "async/partial_rollout_share": _straddling_share(batch),
             "async/carried_over": float(len(self.admitted)),
             "async/carried_over_age": float(max((version - g.admitted_at for g in self.admitted), default=0)),
-            "timing_s/async/reward_wait": self.counts["reward_wait_s"],
             "timing_s/async/generate": self.counts["generate_s"],
         }
         on_policy = bool(generated.numel()) and bool((generated == version).all())
-        return Rollout(batch, lambda: rewards, metrics=metrics, on_policy=on_policy)
+        # The rewards are collected when the step asks for them, after its log-prob passes, as the synchronous
+        # sampler's are: with eta = 0 the schedule is the synchronous one, overlap included.
+        return Rollout(batch, lambda: self._rewards(taken), metrics=metrics, on_policy=on_policy, version=version)
 
     def weights_synced(self) -> None:
         """The engines hold the weights of one more update."""
@@ -156,32 +168,64 @@ class AsyncRolloutSampler:
         # In calls of data.mini_rollout_batch_size prompts, as the synchronous sampler makes them.
         for i in range(0, len(starting), self.prompts_per_call):
             part = starting[i : i + self.prompts_per_call]
-            t0 = time.perf_counter()
-            batch = self.workers.generate([g.prompt for g in part], [g.group_id for g in part], self.sampling)
-            self.counts["generate_s"] += time.perf_counter() - t0
-            call = _Call(batch, self.scorer.launch(batch))
+            prompts, group_ids = [g.prompt for g in part], [g.group_id for g in part]
+            if self.pool is None:
+                t0 = time.perf_counter()
+                batch = self.workers.generate(prompts, group_ids, self.sampling)
+                self.counts["generate_s"] += time.perf_counter() - t0
+                call = _Call(batch, self.scorer.launch(batch))
+                self._finished(call)
+            else:  # submitted; scored once it is in (``_poll``)
+                call = _Call(pending=self.pool.submit(prompts, group_ids, self.sampling))
+                self.generating.append(call)
             for g in part:
                 g.call = call
+        self._poll()
+
+    def _poll(self, until: _Call | None = None) -> None:
+        """Disaggregated: collect the calls the servers have finished and launch their rewards; with ``until``,
+        wait for that call first."""
+        for call in list(self.generating):
+            if call is until or self.pool.done(call.pending):
+                t0 = time.perf_counter()
+                call.batch = self.pool.collect(call.pending)
+                self.counts["generate_s"] += time.perf_counter() - t0  # waiting for the servers
+                call.job, call.pending = self.scorer.launch(call.batch), None
+                self.generating.remove(call)
+                self._finished(call)
+
+    def _finished(self, call: _Call) -> None:
+        """A call's groups are generated and kept: they wait for the trainer (their rewards may still run)."""
+        for _ in range(len(set(call.batch.group_ids.tolist()))):
+            self.manager.finish()
 
     def _rows(self, group: _Group) -> Batch:
-        """The group's rows, its rewards assigned (waiting for them if they are not in yet)."""
+        """The group's rows (waiting for its generation if it is not in yet), without rewards."""
         call = group.call
-        if call.rewards is None:
-            t0 = time.perf_counter()
-            call.rewards = self.scorer.collect(call.job, call.batch)
-            self.counts["reward_wait_s"] += time.perf_counter() - t0
-            call.rewards.assign_to(call.batch)
-            self.counts["timeouts"] += call.rewards.metrics.get("reward/timeouts", 0)
-            for _ in range(len(set(call.batch.group_ids.tolist()))):
-                self.manager.finish()
-        rows = (call.batch.group_ids == group.group_id).nonzero().flatten()
-        return call.batch.select(rows)
+        if call.batch is None:
+            self._poll(until=call)
+        return call.batch.select(_rows_of(call, group))
 
-    def _rewards(self, taken: list[_Group], batch: Batch) -> Rewards:
-        """The step's rewards: its rows' scores and their means (as a synchronous step reports), and the
-        timeouts of the reward calls collected during the step."""
-        metrics = {**reduce_reward_metrics(batch.reward_metrics, prefix="reward"), "reward/timeouts": self.counts["timeouts"]}
-        return Rewards(batch.token_level_scores, batch.reward_metrics, metrics)
+    def _rewards(self, taken: list[_Group]) -> Rewards:
+        """The step's rewards, in its rows' order, waiting for the calls still being scored; their means (as a
+        synchronous step reports), the timeouts of the calls collected now, and the seconds waited."""
+        start, timeouts = time.perf_counter(), 0
+        scores, per_sample = [], {}
+        for group in taken:
+            call = group.call
+            if call.rewards is None:  # collected once for all of its groups, this step's or carried over
+                call.rewards = self.scorer.collect(call.job, call.batch)
+                timeouts += call.rewards.metrics.get("reward/timeouts", 0)
+            rows = _rows_of(call, group)
+            scores.append(call.rewards.token_level_scores.index_select(0, rows))
+            for name, values in call.rewards.per_sample.items():
+                per_sample.setdefault(name, []).extend(values[i] for i in rows.tolist())
+        metrics = {
+            **reduce_reward_metrics(per_sample, prefix="reward"),
+            "reward/timeouts": timeouts,
+            "timing_s/async/reward_wait": time.perf_counter() - start,
+        }
+        return Rewards(torch.cat(scores), per_sample, metrics)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -201,3 +245,18 @@ class AsyncRolloutSampler:
         self.waiting = deque(_Group(int(g), self.prompt_by_row(int(row))) for row, g in state["pending"])
         self.admitted = deque()
         self.manager.enqueue(len(self.waiting))
+
+
+def _rows_of(call: _Call, group: _Group) -> torch.Tensor:
+    """The rows of ``group`` in its call's batch."""
+    return (call.batch.group_ids == group.group_id).nonzero().flatten()
+
+
+def _straddling_share(batch: Batch) -> float:
+    """The share of samples whose generated tokens come from more than one policy version (a weight load
+    landed while they were generated)."""
+    versions = batch.policy_versions
+    generated = versions >= 0
+    newest = versions.max(dim=1).values
+    oldest = versions.masked_fill(~generated, torch.iinfo(versions.dtype).max).min(dim=1).values
+    return float((generated.any(dim=1) & (newest > oldest)).float().mean())

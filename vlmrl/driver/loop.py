@@ -220,7 +220,7 @@ class TrainingLoop:
                     # A request that came during the save: this step is saved, so stop now, not a step later.
                     stopping = self.stop_requested.is_set()
             metrics = {
-                **batch_metrics(batch, entropy),
+                **batch_metrics(batch, entropy, rollout.version),
                 **rewards.metrics,
                 **rollout.metrics,
                 **advantages.metrics,

@@ -34,9 +34,10 @@ def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
+def batch_metrics(batch: Batch, entropy: torch.Tensor, version: int | None = None) -> dict[str, float]:
     """Response lengths, scores and rewards per sequence, advantages/returns/values per token, and
-    how many prompt groups carry no learning signal (advantage 0 on every token)."""
+    how many prompt groups carry no learning signal (advantage 0 on every token). ``version``: the policy
+    version training the batch (asynchronous training), for the engine-vs-trainer gap on its own samples."""
     mask = batch.response_mask
     valid = mask.bool()
     lengths = mask.sum(dim=1).float()
@@ -69,6 +70,16 @@ def batch_metrics(batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
         diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
         metrics["rollout/log_prob_diff_mean"] = algos.masked_mean(diff, mask).item()
         metrics["rollout/log_prob_diff_max"] = diff[valid].max().item()
+        if version is not None:
+            # The samples the trainer's weights generated start to finish: there the engine and the trainer hold
+            # the same weights, so any gap is numerics or a broken weight sync. (Older tokens differ by design, and
+            # so do a sample's tokens after a load that kept the old weights' KV cache.)
+            own = ((batch.policy_versions == version) | ~valid).all(dim=1) & valid.any(dim=1)
+            current = valid & own[:, None]
+            metrics["rollout/current_version_samples"] = float(own.sum())
+            if current.any():
+                metrics["rollout/log_prob_diff_current_mean"] = diff[current].mean().item()
+                metrics["rollout/log_prob_diff_current_max"] = diff[current].max().item()
     metrics.update(agent_metrics(batch))
     return metrics
 

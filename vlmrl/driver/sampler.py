@@ -43,6 +43,9 @@ class Rollout:
     on_policy: bool = True
     """Every token was sampled by the weights that train it (asynchronous training can hand over older ones,
     whose old log-probs then need their own pass)."""
+    version: int | None = None
+    """Asynchronous training: the policy version of the weights that train the batch (``rollout/*_current``
+    metrics compare the engine's log-probs with the trainer's on the samples that version generated)."""
 
 
 class NoAgentRowsError(RuntimeError):

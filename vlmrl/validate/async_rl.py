@@ -22,9 +22,7 @@ def async_problems(config: Config) -> list[str]:
             "could never gather its groups; raise it, or null for (max_head_offpolicyness + 1) x rollout_batch_size"
         )
     if a.placement is AsyncPlacement.disaggregated:
-        problems.append(
-            f"{P}.placement=disaggregated is not built yet (rollout workers apart from the trainer); use colocated"
-        )
+        problems.extend(_disaggregated_problems(config))
     if a.placement is AsyncPlacement.colocated and a.weight_sync_interval != 1:
         problems.append(
             f"{P}.weight_sync_interval={a.weight_sync_interval}: colocated, the engine gets the weights after every "
@@ -50,5 +48,31 @@ def async_problems(config: Config) -> list[str]:
         problems.append(
             f"worker.rollout.agent with {P}.enable=true: an external agent's rollouts are not admitted under the "
             "bound yet (the built-in multi_turn loop's are); drop one of them"
+        )
+    return problems
+
+
+def _disaggregated_problems(config: Config) -> list[str]:
+    """What the rollout servers (``vlmrl.workers.rollout_server``) cannot do yet, each with the fix."""
+    a, rollout = config.worker.rollout.async_rl, config.worker.rollout
+    problems: list[str] = []
+    where = f"with {P}.placement=disaggregated"
+    if a.rollout_workers < 1:
+        problems.append(f"{P}.rollout_workers={a.rollout_workers}: disaggregated needs at least 1 rollout server")
+    if a.weight_sync_interval != 1:
+        problems.append(
+            f"{P}.weight_sync_interval={a.weight_sync_interval} {where}: the servers get the weights after every "
+            "update (a version per update); skipping syncs is not built yet; set 1"
+        )
+    if rollout.multi_turn.enable:
+        problems.append(
+            f"worker.rollout.multi_turn.enable=true {where}: the rollout servers serve single-turn requests (the "
+            f"multi-turn loop drives the colocated engine itself); use {P}.placement=colocated"
+        )
+    if rollout.tensor_parallel_size > 1:
+        problems.append(
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} {where}: a rollout server runs one "
+            "engine in one actor (vLLM's sharded engine joins the trainer's process group); set 1 and raise "
+            f"{P}.rollout_workers instead"
         )
     return problems

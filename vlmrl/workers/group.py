@@ -16,7 +16,6 @@ order. A worker is sent only what it does not hold (``vlmrl.workers.store``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket
@@ -33,10 +32,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch, PromptSample, Trajectory
-from vlmrl.records.views import to_batch
 from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
 from vlmrl.rollout.engine import Sampling
+from vlmrl.workers.rollout_batch import rollout_batch, with_prompt_media
+from vlmrl.workers.rollout_pool import RolloutPool, start_servers
 from vlmrl.workers.store import PassInput
 
 if TYPE_CHECKING:
@@ -172,9 +172,11 @@ _PEAK_METRICS = (
 
 
 def _join_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    # A key only some workers report (rank 0's push to the rollout servers) joins over those that do.
+    keys = dict.fromkeys(key for r in results for key in r)
     return {
-        key: (max if key in _PEAK_METRICS else lambda v: sum(v) / len(v))([r[key] for r in results])
-        for key in results[0]
+        key: (max if key in _PEAK_METRICS else lambda v: sum(v) / len(v))([r[key] for r in results if key in r])
+        for key in keys
     }
 
 
@@ -198,6 +200,9 @@ class WorkerGroup:
             "TOKENIZERS_PARALLELISM": "false",
             **rendezvous_env,
         }
+        # Disaggregated: the rollout servers start first, beside the workers, which build no engine and push
+        # their weights to these handles.
+        servers = start_servers(config, plan) if plan.rollout_servers else []
         remote_cls = ray.remote(HybridWorker)
         self.workers = [
             remote_cls.options(
@@ -206,11 +211,13 @@ class WorkerGroup:
                 scheduling_strategy=self.pool.strategy(rank),
                 runtime_env={"env_vars": env},
                 name=f"hybrid_worker_{rank}_{os.getpid()}_{id(self)}",
-            ).remote(config, plan, rank, init_method)
+            ).remote(config, plan, rank, init_method, servers or None)
             for rank in self.pool.ranks()
         ]
-        self._wait_started(config)
+        self._wait_started(config, servers)
         self.pad_token_id = ray.get(self.workers[0].pad_token_id.remote())
+        self.rollout_pool = RolloutPool(servers, config, self.pad_token_id) if servers else None
+        """Disaggregated: the rollout servers, which generate every rollout; None: the workers' own engines."""
         self.holders: dict[str, tuple[Trajectory, set[int]]] = {}
         """Each row a worker holds this step: sample id -> (the trajectory the workers hold, their ranks).
         A batch that brings another trajectory under a held id sends it again, so no worker scores a stale row."""
@@ -219,13 +226,15 @@ class WorkerGroup:
         self.rollout_counts: dict[str, float] = {}
         """Agent rollouts' counts since the last ``take_rollout_counts``."""
 
-    def _wait_started(self, config: Config) -> None:
-        """Wait for every worker's constructor (models loaded, engine started), at most trainer.start_timeout_s."""
+    def _wait_started(self, config: Config, servers: list) -> None:
+        """Wait for every worker's constructor (models loaded, engine started) and every rollout server's engine,
+        at most trainer.start_timeout_s."""
         timeout = config.trainer.start_timeout_s
         try:
-            ray.get([w.pad_token_id.remote() for w in self.workers], timeout=timeout)
+            started = [w.pad_token_id.remote() for w in self.workers] + [s.version.remote() for s in servers]
+            ray.get(started, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            for worker in self.workers:  # a worker still loading would hold its bundle after the run failed
+            for worker in self.workers + servers:  # one still loading would hold its resources after the run failed
                 ray.kill(worker)
             self.pool.release()
             raise RuntimeError(
@@ -239,6 +248,8 @@ class WorkerGroup:
         """Stop the workers and free their placement groups (tests that build several groups call this)."""
         for w in self.workers:
             ray.kill(w)
+        if self.rollout_pool is not None:
+            self.rollout_pool.shutdown()
         self.pool.release()
 
     # ----------------------------------------------------------------- the generic call
@@ -321,8 +332,13 @@ class WorkerGroup:
         """n samples per prompt; with ``keep`` (training) each worker keeps its rows for the step's passes.
 
         The workers return trajectories without pixels or media; the prompts' are put back here, so the
-        driver's batch is complete without sending them twice.
+        driver's batch is complete without sending them twice. Disaggregated, the rollout servers generate
+        (``keep`` is then refused: the trainers hold no rows until the passes send them).
         """
+        if self.rollout_pool is not None:
+            if keep:
+                raise ValueError("generate(keep=True): the rollout servers' rows are not held by the trainer workers")
+            return self.rollout_pool.generate(prompts, group_ids, sampling)
         tp = self.tensor_parallel_size
         prompt_parts = per_tensor_parallel_group(prompts, self.world_size, tp)
         id_parts = per_tensor_parallel_group(group_ids, self.world_size, tp)
@@ -336,12 +352,7 @@ class WorkerGroup:
         for leader in range(0, self.world_size, tp):
             part, _ = results[leader]
             for t in part:
-                prompt = prompt_of[t.group_id]
-                full = t
-                if t.media_are_the_prompts:  # sent slim: the prompt's media go back on here
-                    full = dataclasses.replace(t, mm_inputs=prompt.mm_inputs).with_media(
-                        list(prompt.images) + list(prompt.videos)
-                    )
+                full = with_prompt_media(t, prompt_of[t.group_id])  # sent slim: the prompt's media go back on
                 trajectories.append(full)
                 if keep:
                     self._held_by(full).update(range(leader, leader + tp))
@@ -355,13 +366,7 @@ class WorkerGroup:
                 f"{ {k: int(v) for k, v in self.rollout_counts.items() if k.startswith('agent/rollouts/')} } (see "
                 "run.log for why each failed)"
             )
-        data = self.config.data
-        batch = to_batch(
-            trajectories,
-            max_prompt_length=data.max_prompt_length,
-            max_response_length=data.max_response_length,
-            pad_token_id=self.pad_token_id,
-        )
+        batch = rollout_batch(trajectories, self.config, self.pad_token_id)
         # The slowest worker's pieces (the call waits for it), and the whole call as the driver saw it.
         for key in results[0][1]:
             slowest = max(timings[key] for _, timings in results)
@@ -372,6 +377,8 @@ class WorkerGroup:
     def take_rollout_timings(self) -> dict[str, float]:
         """The rollout pieces' seconds since the last call (``requests``, ``engine``, ``outputs``, ...)."""
         timings, self.rollout_timings = self.rollout_timings, {}
+        if self.rollout_pool is not None:
+            timings.update(self.rollout_pool.take_timings())
         return timings
 
     def take_rollout_counts(self) -> dict[str, float]:
@@ -424,12 +431,14 @@ class WorkerGroup:
         return self.call_all("full_weights")[0]
 
     def sync_weights(self) -> dict[str, float]:
-        """Collective: every worker streams the actor's weights into its engine; the slowest resync, largest bucket."""
+        """Collective: every worker streams the actor's weights into its engine (disaggregated: rank 0 pushes them
+        to the rollout servers); the slowest resync, largest bucket."""
         return _join_metrics(self.call_all("sync_weights"))
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
         self.call_all("save_checkpoint", path, model_only, hf_weights)
 
     def load_checkpoint(self, path: str, version: int = 1) -> bool:
-        """Collective: every worker restores ``path``; its engine then samples as policy ``version``."""
+        """Collective: every worker restores ``path``; its engine (or the rollout servers) then samples as policy
+        ``version``."""
         return all(self.call_all("load_checkpoint", path, version))

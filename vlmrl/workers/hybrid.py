@@ -5,42 +5,62 @@ and the in-process weight sync between them, as EasyR1 and verl colocate
 them: the engine samples, the trainer keeps what was sampled and trains on it,
 then the trainer's new weights stream into the engine. The driver calls these
 methods through ``WorkerGroup``; each call works on this worker's share.
+
+Disaggregated (``plan.rollout_servers``), the same class is the trainer worker alone: it builds no
+engine, and its weight sync pushes the full weights from rank 0 to the rollout servers.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine import InterruptMode, Sampling
 from vlmrl.train import actor as actor_passes
 from vlmrl.train import critic as critic_passes
 from vlmrl.train.fsdp_options import uses
 from vlmrl.weight_sync import EngineSink, WeightSync
-from vlmrl.config import RewardModelPlacement
+from vlmrl.config import PartialRollout, RewardModelPlacement
+from vlmrl.weight_sync.object_store import push_weights
 from vlmrl.workers.reward_model import RewardModelServer
 from vlmrl.workers.rollout import RolloutWorker
 from vlmrl.workers.store import PassInput
 from vlmrl.workers.trainer import TrainerWorker
 
 
+_INTERRUPT = {PartialRollout.keep_kv: InterruptMode.continue_, PartialRollout.reprefill: InterruptMode.reprefill}
+"""What a weight push does to the servers' responses in flight, per ``worker.rollout.async_rl.partial_rollout``."""
+
+
 class HybridWorker:
-    def __init__(self, config: Config, plan: Plan, rank: int, init_method: str):
+    def __init__(self, config: Config, plan: Plan, rank: int, init_method: str, servers: list | None = None):
+        """``servers``: disaggregated, the rollout servers' actor handles (``plan.rollout_servers`` of them): this
+        worker builds no engine, and rank 0 pushes the weights to them."""
         self.plan = plan
         self.trainer = TrainerWorker(config, plan, rank, init_method)
-        self.rollout = RolloutWorker(
-            config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens, self.trainer.processor
-        )
         rollout_cfg = config.worker.rollout
-        self.weight_sync = WeightSync(
-            self.trainer.actor,
-            EngineSink(self.rollout.engine, self.rollout.external.endpoint.paused if self.rollout.external else None),
-            getattr(torch, rollout_cfg.dtype.value),
-            bucket_bytes=rollout_cfg.resync_bucket_mb << 20,
-            transform=self.trainer.hf_weights if self.trainer.lora else None,
-        )
+        self.rollout_dtype = getattr(torch, rollout_cfg.dtype.value)
+        self.bucket_bytes = rollout_cfg.resync_bucket_mb << 20
+        self.servers = servers
+        self.interrupt = _INTERRUPT[rollout_cfg.async_rl.partial_rollout]
+        self.rollout: RolloutWorker | None = None
+        self.weight_sync: WeightSync | None = None
+        if not plan.rollout_servers:
+            self.rollout = RolloutWorker(
+                config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens, self.trainer.processor
+            )
+            paused = self.rollout.external.endpoint.paused if self.rollout.external else None
+            self.weight_sync = WeightSync(
+                self.trainer.actor,
+                EngineSink(self.rollout.engine, paused),
+                self.rollout_dtype,
+                bucket_bytes=self.bucket_bytes,
+                transform=self.trainer.hf_weights if self.trainer.lora else None,
+            )
         self.offloaders = self.trainer.offloaders  # what ``uses`` moves to the device around a call
         rm = config.worker.reward.reward_model
         self.reward_model = (
@@ -69,6 +89,8 @@ class HybridWorker:
 
         Returns them without pixels or media (the driver holds the prompts'), and the call's timings.
         """
+        if self.rollout is None:
+            raise RuntimeError("this worker has no engine: disaggregated, the rollout servers generate")
         on_gpu = self.plan.device == "cuda"
         if on_gpu:
             self.gpu_peak_bytes = max(self.gpu_peak_bytes, torch.cuda.max_memory_allocated())
@@ -128,10 +150,23 @@ class HybridWorker:
 
     @uses("actor")
     def sync_weights(self) -> dict[str, float]:
-        """Collective: stream the actor's weights into this worker's engine; the resync's seconds and largest bucket."""
-        metrics = self.weight_sync.sync(self.policy_version + 1)
-        self.policy_version += 1
+        """Collective: stream the actor's weights into this worker's engine, or (disaggregated) gather them and
+        push them from rank 0 to the rollout servers; the resync's seconds (and largest bucket, or bytes pushed)."""
+        version = self.policy_version + 1
+        metrics = self.weight_sync.sync(version) if self.servers is None else self._push(version)
+        self.policy_version = version
         return metrics
+
+    def _push(self, version: int) -> dict[str, float]:
+        """Collective: the full weights (merged under LoRA) on rank 0, cast to the engine's dtype and loaded into
+        every server as ``version`` through the object store; responses in flight are interrupted as configured."""
+        start = time.perf_counter()
+        weights = self.trainer.full_weights()  # rank 0's dict; the other ranks' are empty
+        metrics = {}
+        if self.trainer.rank == 0:
+            named = ((name, tensor.to(self.rollout_dtype)) for name, tensor in weights.items())
+            metrics = push_weights(named, self.servers, version, self.interrupt, self.bucket_bytes)
+        return {**metrics, "timing_s/resync_worker": time.perf_counter() - start}
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
         self.trainer.save_checkpoint(path, model_only, hf_weights)
