@@ -226,9 +226,10 @@ class WorkerGroup:
         self.rollout_counts: dict[str, float] = {}
         """Agent rollouts' counts since the last ``take_rollout_counts``."""
 
-    def _wait_started(self, config: Config, servers: list) -> None:
+    def _wait_started(self, config: Config, servers: list | None = None) -> None:
         """Wait for every worker's constructor (models loaded, engine started) and every rollout server's engine,
         at most trainer.start_timeout_s."""
+        servers = list(servers or [])
         timeout = config.trainer.start_timeout_s
         try:
             started = [w.pad_token_id.remote() for w in self.workers] + [s.version.remote() for s in servers]
