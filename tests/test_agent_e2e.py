@@ -9,14 +9,12 @@ repeat the uninterrupted run's steps exactly (same prompts, same samples turn by
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import pyarrow.parquet as pq
-from helpers.runs import REPO, experiment_dir, read_metrics, tail
+from helpers.runs import REPO, experiment_dir, read_metrics, run_command, tail
 
 STEPS = 3
 COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "agent/turns/mean",
@@ -49,10 +47,6 @@ def _command(out, tmp, *extra):
     ]  # fmt: skip
 
 
-def _run(command, timeout=1200):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
 
 @pytest.fixture(scope="module")
 def agent_assets():
@@ -67,7 +61,8 @@ def uninterrupted(agent_assets, tmp_path_factory):
     (tmp / "reward.py").write_text(REWARD)
     val = tmp / "val.parquet"
     pq.write_table(pq.read_table(agent_assets.val_file).slice(0, 4), val)
-    proc = _run(_command(tmp / "out", tmp, f"data.val_files={val}", "trainer.val_generations_to_log=2"))
+    command = _command(tmp / "out", tmp, f"data.val_files={val}", "trainer.val_generations_to_log=2")
+    proc = run_command(command, timeout=1200)
     assert proc.returncode == 0, tail(proc)
     return tmp, proc.stdout + proc.stderr
 
@@ -113,9 +108,10 @@ def resumed(agent_assets, uninterrupted, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent_resumed")
     (tmp / "reward.py").write_text(REWARD)
     args = _command(tmp / "out", tmp, "data.val_files=", "trainer.val_before_train=false")
-    crashed = _run([sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), "2", *args[3:]])
+    crash = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), "2", *args[3:]]
+    crashed = run_command(crash, timeout=1200)
     assert crashed.returncode != 0, "the fault injection should have killed the run"
-    again = _run(args)
+    again = run_command(args, timeout=1200)
     assert again.returncode == 0, tail(again)
     return tmp, again.stdout + again.stderr
 

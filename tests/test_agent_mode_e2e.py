@@ -17,16 +17,14 @@ A second run is killed while saving step 2 and started again: it must repeat the
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
 import sys
 import textwrap
 
 import pyarrow.parquet as pq
 import pytest
-from helpers.runs import REPO, experiment_dir, read_metrics, tail
+from helpers.runs import experiment_dir, read_metrics, run_command, tail
 from helpers.resume_point import resume_point
 from transformers import AutoTokenizer
 
@@ -74,10 +72,6 @@ def _command(tmp, *extra, out=None):
     ]  # fmt: skip
 
 
-def _run(command, timeout=1200):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
 
 def _files(tmp):
     (tmp / "reward.py").write_text(REWARD)
@@ -93,7 +87,7 @@ def uninterrupted(quickstart_assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent_mode")
     _files(tmp)
     pq.write_table(pq.read_table(quickstart_assets.val_file).slice(0, 4), tmp / "val.parquet")
-    proc = _run(_command(tmp, *_validation(tmp)))
+    proc = run_command(_command(tmp, *_validation(tmp)), timeout=1200)
     assert proc.returncode == 0, tail(proc)
     return tmp, proc.stdout + proc.stderr
 
@@ -174,7 +168,7 @@ def resumed(uninterrupted, tmp_path_factory):
     tmp, _ = uninterrupted
     out = tmp_path_factory.mktemp("agent_mode_resumed") / "out"
     copy = resume_point(experiment_dir(tmp / "out", "agent_mode"), experiment_dir(out, "agent_mode"), step=1)
-    again = _run(_command(tmp, *_validation(tmp), out=out))
+    again = run_command(_command(tmp, *_validation(tmp), out=out), timeout=1200)
     assert again.returncode == 0, tail(again)
     return copy, again.stdout + again.stderr
 

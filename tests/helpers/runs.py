@@ -43,18 +43,19 @@ def run_main(
     A user's MLFLOW_TRACKING_URI is dropped: test runs use their embedded store.
     ``crash_in_save_at``: kill the run in the middle of saving that step (tests/helpers/crash_in_save.py).
     """
-    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     command = main_command(output_dir, *overrides, experiment=experiment)
     if crash_in_save_at is not None:
         command = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), str(crash_in_save_at)]
         command += main_command(output_dir, *overrides, experiment=experiment)[3:]
+    return run_command(command, env=env, timeout=timeout)
+
+
+def run_command(command: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``command`` in the repository to completion, without a user's MLFLOW_TRACKING_URI (test runs use
+    their embedded store); the caller checks returncode."""
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run(
-        command,
-        cwd=REPO,
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        command, cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
     )
 
 
