@@ -13,6 +13,7 @@ from helpers.runs import (
     run_main,
     tail,
 )
+from helpers.sigterm_run import SigtermRun, sigterm_run as _sigterm_run
 
 from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
 from vlmrl.testing.resolvers import register_resolvers
@@ -71,6 +72,13 @@ def e2e_run(quickstart_assets, tmp_path_factory) -> E2ERun:
         quickstart_assets, output_dir, experiment_dir(output_dir, "e2e"), args, proc.stdout + proc.stderr,
         tmp / "reward_calls.jsonl",
     )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def sigterm_run(quickstart_assets, tmp_path_factory) -> SigtermRun:
+    """The quickstart run stopped by SIGTERM after its first step (tests/helpers/sigterm_run.py), made once for
+    tests/test_resume.py and tests/faults/test_sigterm_through_launch_script.py."""
+    return _sigterm_run(quickstart_assets, tmp_path_factory.mktemp("sigterm"))
 
 
 @pytest.fixture

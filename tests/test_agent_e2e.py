@@ -2,19 +2,23 @@
 
 One uninterrupted run of 3 steps serves most checks: the trajectories are conversations (the reveal tool
 was called and its picture shown), the reward function got the conversation, the metrics and the logged
-validation conversations are there. A second run is killed while saving step 2 and started again: it must
-repeat the uninterrupted run's steps exactly (same prompts, same samples turn by turn, same updates).
+validation conversations are there. A second run starts from a copy of the uninterrupted run as it stood after
+step 1 (tests/helpers/resume_point.py: as one killed while saving step 2 would) and trains steps 2 and 3 again: it
+must repeat the uninterrupted run's steps exactly (same prompts, same samples turn by turn, same updates). (A save
+killed part way is tests/test_resume.py's concern.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import textwrap
 
 import pytest
 import pyarrow.parquet as pq
-from helpers.runs import REPO, experiment_dir, read_metrics, run_command, tail
+from helpers.resume_point import resume_point
+from helpers.runs import experiment_dir, read_metrics, run_command, tail
 
 STEPS = 3
 COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "agent/turns/mean",
@@ -64,12 +68,15 @@ def uninterrupted(agent_assets, tmp_path_factory):
     command = _command(tmp / "out", tmp, f"data.val_files={val}", "trainer.val_generations_to_log=2")
     proc = run_command(command, timeout=1200)
     assert proc.returncode == 0, tail(proc)
+    # The resumed run below appends to calls.jsonl (its reward settings must be this run's to resume): the
+    # calls of this run alone, as it left them.
+    shutil.copyfile(tmp / "calls.jsonl", tmp / "uninterrupted_calls.jsonl")
     return tmp, proc.stdout + proc.stderr
 
 
 def test_the_rollouts_are_conversations_with_the_tools_pictures(uninterrupted):
     tmp, _ = uninterrupted
-    calls = [json.loads(line) for line in (tmp / "calls.jsonl").read_text().splitlines()]
+    calls = [json.loads(line) for line in (tmp / "uninterrupted_calls.jsonl").read_text().splitlines()]
     assert len(calls) >= STEPS * 16
     called = [c for c in calls if c["tool_calls"]]
     assert called, "the tuned start calls reveal on most prompts; no call was made"
@@ -104,23 +111,23 @@ def test_the_metrics_and_the_logged_conversations(uninterrupted):
 
 
 @pytest.fixture(scope="module")
-def resumed(agent_assets, uninterrupted, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("agent_resumed")
-    (tmp / "reward.py").write_text(REWARD)
-    args = _command(tmp / "out", tmp, "data.val_files=", "trainer.val_before_train=false")
-    crash = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), "2", *args[3:]]
-    crashed = run_command(crash, timeout=1200)
-    assert crashed.returncode != 0, "the fault injection should have killed the run"
-    again = run_command(args, timeout=1200)
+def resumed(uninterrupted, tmp_path_factory):
+    """The uninterrupted run as it stood after step 1, started again without validation (which does not change
+    what trains). The reward settings are the uninterrupted run's (its checkpoint's fingerprint holds them), so
+    it appends to the same reward log."""
+    source, _ = uninterrupted
+    out = tmp_path_factory.mktemp("agent_resumed") / "out"
+    copy = resume_point(experiment_dir(source / "out", "agent"), experiment_dir(out, "agent"), step=1)
+    again = run_command(_command(out, source, "data.val_files=", "trainer.val_before_train=false"), timeout=1200)
     assert again.returncode == 0, tail(again)
-    return tmp, again.stdout + again.stderr
+    return copy.parents[1], again.stdout + again.stderr
 
 
 def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(uninterrupted, resumed):
-    tmp, log = resumed
-    assert "resumed from" in log
+    out, log = resumed
+    assert "resumed from" in log and "global_step_1" in log
     expected = [m for m in read_metrics(uninterrupted[0] / "out", "agent") if m["step"] > 0 and "actor/pg_loss" in m]
-    got = [m for m in read_metrics(tmp / "out", "agent") if "actor/pg_loss" in m]
+    got = [m for m in read_metrics(out, "agent") if "actor/pg_loss" in m]
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     for e, g in zip(expected, got):
         for key in COMPARED:

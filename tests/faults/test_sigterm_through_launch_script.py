@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.runs import REPO, SMALL, experiment_dir, read_metrics
+from helpers.runs import REPO, experiment_dir, read_metrics
 
 SCRIPTS = sorted((REPO / "examples").glob("*.sh"))
 
@@ -50,33 +50,12 @@ def test_the_driver_replaces_the_shell_and_gets_its_sigterm(script, tmp_path):
 
 
 @pytest.mark.e2e
-def test_sigterm_to_a_launch_scripts_shell_saves_and_exits_zero(quickstart_assets, tmp_path):
-    """examples/qwen2_5_vl_3b_geo3k_grpo.sh, pointed at the tiny quickstart on the CPU, stopped by SIGTERM."""
-    script = REPO / "examples" / "qwen2_5_vl_3b_geo3k_grpo.sh"
-    out = tmp_path / "outputs"
-    overrides = [
-        "config=examples/quickstart.yaml",  # the last config= wins: the script's GPU settings are replaced
-        f"data.train_files={quickstart_assets.train_file}", "data.val_files=",
-        "worker.actor.micro_batch_size_per_device_for_update=4", "worker.actor.micro_batch_size_per_device_for_experience=16",
-        "trainer.n_gpus_per_node=1", f"trainer.output_dir={out}", "trainer.experiment_name=run",
-        "trainer.max_steps=200", "trainer.logger=[console,file]", *SMALL,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHON": str(REPO / ".venv" / "bin" / "python"), "MODEL_PATH": str(quickstart_assets.model_dir)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    log = tmp_path / "log.txt"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(["bash", str(script), *overrides], env=env, stdout=sink, stderr=subprocess.STDOUT)
-        metrics = experiment_dir(out) / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and metrics.read_text().strip()):
-            assert proc.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() < deadline, "no step finished in time"
-            time.sleep(0.5)
-        os.kill(proc.pid, signal.SIGTERM)  # the shell's pid, as a scheduler sends it
-        proc.wait(timeout=300)
-    output = log.read_text()
-    assert proc.returncode == 0, output[-5000:]
-    last = read_metrics(out)[-1]["step"]
+def test_sigterm_to_a_launch_scripts_shell_saves_and_exits_zero(sigterm_run):
+    """examples/qwen2_5_vl_3b_geo3k_grpo.sh, pointed at the tiny quickstart on the CPU, stopped by SIGTERM to the
+    shell's pid (tests/helpers/sigterm_run.py; the run is shared with tests/test_resume.py)."""
+    output = sigterm_run.output
+    assert sigterm_run.returncode == 0, output[-5000:]
+    last = read_metrics(sigterm_run.out)[-1]["step"]
     assert last < 200
-    assert (experiment_dir(out) / "checkpoints" / f"global_step_{last}" / "COMPLETE").is_file(), output[-5000:]
+    assert (experiment_dir(sigterm_run.out) / "checkpoints" / f"global_step_{last}" / "COMPLETE").is_file(), output[-5000:]
     assert "stop requested" in output
