@@ -9,11 +9,13 @@ other in this process's machine:
   sync            the synchronous step
   async eta=0     must be within noise of sync (it is the same schedule)
   async eta=1, 2  groups admitted 1 or 2 versions ahead, scored while the trainer trains
+  disaggregated eta=1   1 rollout server + 1 trainer worker (a core each), generating while it trains
   control sync / control eta=1   the negative control: an instant reward and equal lengths (ignore_eos)
 
 The workload: a reward that waits 0.2-2 s per prompt group (``benchmarks/slow_reward.py``: I/O such as
-a sandbox or a judge), and responses up to 32 tokens as the format-tuned model samples them at
-temperature 1.2 (mostly a word, sometimes the cap: a long tail).
+a sandbox or a judge; a call's groups wait together, so a call waits for its slowest group), and
+responses up to 64 tokens as the format-tuned model samples them at temperature 2.0 (median about 5
+tokens, a tenth over 20, some up to the cap: a long tail).
 
 Reported per run, over the steps after the first (start-up excluded): trained samples per second, the
 mean step, the reward at the last step (mean of the last two), the lag, and the time the driver waited
@@ -41,6 +43,8 @@ RUNS = {
     "async eta=0": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=0"],
     "async eta=1": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1"],
     "async eta=2": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=2"],
+    "disaggregated eta=1": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1",
+                            "worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
     "control sync": ["CONTROL"],
     "control eta=1": ["CONTROL", *ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1"],
 }
@@ -55,11 +59,12 @@ def command(out: Path, name: str, overrides: list[str], args) -> list[str]:
         f"trainer.max_steps={args.steps}", f"data.rollout_batch_size={args.prompts}",
         f"worker.actor.global_batch_size={args.prompts}", f"worker.rollout.n={args.n}",
         f"worker.actor.micro_batch_size_per_device_for_update={args.prompts * args.n}",
-        "data.max_response_length=32", "worker.rollout.temperature=1.2", "worker.rollout.calculate_log_probs=true",
+        f"data.max_response_length={args.max_response}", f"worker.rollout.temperature={args.temperature}",
+        "worker.rollout.calculate_log_probs=true",
         "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[file]", "trainer.save_freq=-1",
         "trainer.save_hf_weights=false",
         "worker.reward.reward_function=benchmarks/slow_reward.py:compute_score",
-        f"worker.reward.reward_function_kwargs={{n: {args.n}, wait: {str(not control).lower()}}}",
+        f"worker.reward.reward_function_kwargs={{wait: {str(not control).lower()}}}",
         *(["worker.rollout.ignore_eos=true"] if control else []),
         *overrides,
     ]  # fmt: skip
@@ -75,6 +80,8 @@ def summarise(metrics: list[dict], samples_per_step: int) -> dict:
         "samples_per_s": samples_per_step * len(steps) / sum(seconds),
         "step_s": {"mean": statistics.mean(seconds), "min": min(seconds), "max": max(seconds)},
         "reward_wait_s": statistics.mean(waits),
+        # The share of the step the workers sat idle: waiting for rewards (and, disaggregated, for the servers).
+        "idle_share": statistics.mean(m.get("async/trainer_idle_share", w / s) for m, w, s in zip(steps, waits, seconds)),
         "reward_last": statistics.mean(last),
         "lag_max": max((m.get("async/lag/max", 0.0) for m in steps), default=0.0),
         "response_length_max": max(m["response_length/max"] for m in steps),
@@ -87,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=2.0)
+    parser.add_argument("--max-response", type=int, default=64)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
             metrics = [json.loads(line) for line in path.read_text().splitlines()]
             result["runs"][name] = summarise(metrics, args.prompts * args.n)
     for name, base in (("async eta=0", "sync"), ("async eta=1", "sync"), ("async eta=2", "sync"),
-                       ("control eta=1", "control sync")):  # fmt: skip
+                       ("disaggregated eta=1", "sync"), ("control eta=1", "control sync")):  # fmt: skip
         if name in result["runs"] and base in result["runs"]:
             r = result["runs"][name]
             r["speedup"] = r["samples_per_s"] / result["runs"][base]["samples_per_s"]
@@ -126,16 +135,25 @@ def markdown(result: dict) -> str:
         f"{s['steps']} steps of {s['prompts']} prompts x {s['n']} samples per run (the first step not timed); "
         "reward waits 0.2-2 s per group except in the control.",
         "",
-        "| run | samples/s | speedup | step s (min-max) | reward wait s/step | reward (last 2) | lag max | length mean / max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | samples/s | speedup | step s (min-max) | reward wait s/step | trainer idle | reward (last 2) | lag max "
+        "| length mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in result["runs"].items():
         speedup = f"{r['speedup']:.2f}" if "speedup" in r else "-"
         lines.append(
             f"| {name} | {r['samples_per_s']:.2f} | {speedup} | {r['step_s']['mean']:.2f} "
-            f"({r['step_s']['min']:.2f}-{r['step_s']['max']:.2f}) | {r['reward_wait_s']:.2f} | {r['reward_last']:.3f} "
+            f"({r['step_s']['min']:.2f}-{r['step_s']['max']:.2f}) | {r['reward_wait_s']:.2f} | {r['idle_share']:.0%} "
+            f"| {r['reward_last']:.3f} "
             f"| {r['lag_max']:.0f} | {r['response_length_mean']:.1f} / {r['response_length_max']:.0f} |"
         )
+    sync = result["runs"].get("sync")
+    if sync is not None:
+        # Colocated, generation and training share the cores and never overlap, so asynchrony can hide at most
+        # the time the synchronous step sat idle: its samples/s can grow by 1 / (1 - idle share) at most.
+        bound = 1 / max(1e-9, 1 - sync["idle_share"])
+        lines += ["", f"Idle budget of the synchronous run: {sync['idle_share']:.0%} of its step, so a colocated "
+                  f"async run can reach at most {bound:.2f}x its samples/s."]
     return "\n".join(lines) + "\n"
 
 

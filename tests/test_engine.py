@@ -2,7 +2,8 @@
 
 - Two requests of different lengths come back from ``step`` as each finishes, once, under their own ids.
 - An aborted request never comes back, and the engine is idle after it.
-- ``generate`` (written once over add/step) hands back what stepping by hand gives, in request order, and
+- ``stream`` hands outputs back in completion order, and stopping it early aborts the rest.
+- ``generate`` (written once over add/step, through ``stream``) hands back what stepping by hand gives, in request order, and
   the same tokens and log-probs as vLLM's own blocking ``LLM.generate`` with the same seeds, image
   prompts included.
 - Weights: refused while a request is unfinished; after a load the version is the one given and the
@@ -84,6 +85,21 @@ def test_an_aborted_request_never_comes_back(engine):
     rest = _step_until_idle(engine)
     returned = [out.request_id for out in first] + [out.request_id for _, out in rest]
     assert returned == ["kept"]
+    assert not engine.has_unfinished()
+
+
+def test_stream_hands_each_output_back_as_it_finishes_and_closing_it_aborts_the_rest(engine):
+    requests = [_text("long", max_tokens=12), _text("short", max_tokens=2), _text("mid", max_tokens=6)]
+    streamed = list(engine.stream(requests))
+    assert [out.request_id for out in streamed] == ["short", "mid", "long"]  # completion order
+    # The same outputs as generate's, which is written over stream and puts them in request order.
+    by_id = {out.request_id: out for out in engine.generate(requests)}
+    assert all(out.samples == by_id[out.request_id].samples for out in streamed)
+    assert set(engine.last_timings) == {"requests", "engine", "outputs"}
+    # A caller that stops after the first output leaves nothing unfinished behind.
+    stream = engine.stream([_text("a", max_tokens=2), _text("b", max_tokens=40)])
+    assert next(stream).request_id == "a"
+    stream.close()
     assert not engine.has_unfinished()
 
 

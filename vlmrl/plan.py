@@ -209,20 +209,30 @@ class Plan:
     rollout_servers: int = 0
     """Rollout servers apart from the trainer workers (asynchronous training, disaggregated); 0: every worker
     holds its own engine (colocated), and the training workers build none otherwise."""
+    proximal_loglinear: bool = False
+    """worker.actor.proximal_log_probs=loglinear (with the decoupled loss): the update interpolates the proximal
+    log-probs from the behaviour ones and its own forward, so no step runs an old-log-prob pass to train."""
 
     @property
     def rollout_groups(self) -> int:
         """Engines in the run: one per tensor-parallel group of workers."""
         return self.world_size // self.tensor_parallel_size
 
-    def old_log_probs_from_forward(self, step: int, samples: int) -> bool:
+    def old_log_probs_from_forward(self, step: int, samples: int, on_policy: bool = True) -> bool:
         """Whether this step's update gives the old log-probs itself (no old pass): the whole rule, in one place.
 
-        The config allows it (``old_log_probs_from_update``), the step trains the
-        actor (past the critic warm-up), and the batch is at most one update's
-        mini-batch (agent rollouts can leave fewer rows; then they are its one mini-batch).
+        The step trains the actor (past the critic warm-up), and either the
+        proximal log-probs are log-linear (``proximal_loglinear``: any batch,
+        on-policy or not), or the config allows it (``old_log_probs_from_update``),
+        every token was sampled by the weights that train it (``on_policy``), and
+        the batch is at most one update's mini-batch (agent rollouts can leave
+        fewer rows; then they are its one mini-batch).
         """
-        return self.old_log_probs_from_update and step > self.critic_warmup and samples <= self.samples_per_update
+        if step <= self.critic_warmup:
+            return False
+        if self.proximal_loglinear:
+            return True
+        return self.old_log_probs_from_update and on_policy and samples <= self.samples_per_update
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -285,6 +295,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         notes=_notes(config),
         tensor_parallel_size=rollout.tensor_parallel_size,
         rollout_servers=servers,
+        proximal_loglinear=actor.use_decoupled_loss and actor.proximal_log_probs == "loglinear",
     )
 
 
@@ -393,8 +404,11 @@ def describe(plan: Plan, config: Config) -> str:
         )
         + (", padding-free (packed)" if actor.padding_free else ", padded")
         + (
-            "; old log-probs from the update's forward (one on-policy update)" if plan.old_log_probs_from_update else ""
-        ),
+            "; old log-probs from the update's forward (one on-policy update)"
+            if plan.old_log_probs_from_update and not plan.proximal_loglinear
+            else ""
+        )
+        + ("; no old-log-prob pass: proximal log-probs log-linear in the update" if plan.proximal_loglinear else ""),
         (
             f"rollout lengths: prompt {plan.rollout_prompt_length}, response {plan.rollout_response_length}, "
             f"engine max_model_len {plan.rollout_max_model_len}"

@@ -10,42 +10,13 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
+from helpers.processes import process_of
 from helpers.runs import REPO, SMALL, experiment_dir, main_command, run_main, tail
 
 STEPS = 4
 ARGS = (*SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=1", "trainer.logger=[console,file]")
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _worker_of(driver: int) -> int | None:
-    """The pid of this run's training worker (a process of the run's own local Ray cluster)."""
-    for pid in _descendants(driver):
-        try:
-            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-        except OSError:
-            continue
-        if name.startswith("ray::HybridWorker") or name.startswith("ray::hybrid_worker"):
-            return pid
-    return None
 
 
 @pytest.mark.e2e
@@ -60,7 +31,7 @@ def test_a_run_whose_worker_is_killed_fails_and_the_same_command_resumes(tiny_as
             assert proc.poll() is None, log.read_text()[-5000:]
             assert time.monotonic() < deadline, "no checkpoint in time"
             time.sleep(0.2)
-        worker = _worker_of(proc.pid)
+        worker = process_of(proc.pid, "ray::HybridWorker", "ray::hybrid_worker")  # the run's training worker
         assert worker is not None, "the run's worker process was not found"
         os.kill(worker, signal.SIGKILL)  # mid-run: step 2 is under way
         proc.wait(timeout=300)  # fails, does not hang

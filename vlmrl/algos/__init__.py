@@ -37,6 +37,7 @@ from vlmrl.algos.common import masked_mean, masked_sum, masked_whiten
 from vlmrl.algos.decoupled import (
     BehaviourWeightMode,
     DecoupledParams,
+    ProximalLogProbs,
     behaviour_weight,
     policy_loss_decoupled,
     proximal_log_probs_loglinear,
@@ -91,6 +92,7 @@ __all__ = [
     "LossAvgMode",
     "PolicyLossParams",
     "PolicyLossType",
+    "ProximalLogProbs",
     "TraceAggregation",
     "adaptive_kl_coef",
     "aggregate_loss",

@@ -55,6 +55,16 @@ class BehaviourWeightMode(ConfigEnum):
     """The raw weight, unbounded (log-weight clamped to [-20, 20] only so ``exp`` stays finite)."""
 
 
+class ProximalLogProbs(ConfigEnum):
+    """Where the decoupled loss's proximal log-probs come from (AReaL's ``prox_logp_method``)."""
+
+    recompute = "recompute"
+    """A no-grad forward over the batch with the weights before the update (the old-log-prob pass)."""
+    loglinear = "loglinear"
+    """No pass: ``proximal_log_probs_loglinear`` of the behaviour log-probs and the update's own forward, by each
+    token's policy version."""
+
+
 @dataclass(frozen=True)
 class DecoupledParams:
     """The knobs of the behaviour correction; the clip knobs stay in ``PolicyLossParams``."""

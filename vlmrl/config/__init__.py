@@ -46,6 +46,7 @@ from vlmrl.config.options import (
     StalePolicy,
     Strategy,
     TimeoutPolicy,
+    WeightTransfer,
 )
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ __all__ = [
     "TimeoutPolicy",
     "TrainerConfig",
     "ValOverrideConfig",
+    "WeightTransfer",
     "WorkerConfig",
     "field_docs",
     "help_text",

@@ -41,6 +41,7 @@ __all__ = [
     "StalePolicy",
     "Strategy",
     "TimeoutPolicy",
+    "WeightTransfer",
 ]
 
 
@@ -143,8 +144,8 @@ class AsyncPlacement(_Choice):
     ahead are generated between updates, and their rewards are scored while the trainer trains."""
     disaggregated = "disaggregated"
     """Rollout servers with their own engines (``rollout_workers`` of them), apart from the trainer workers, which
-    build no engine. Generation runs while the trainer trains; weights go to the servers through Ray's object
-    store after each update, interrupting the responses in flight (``partial_rollout``)."""
+    build no engine. Generation runs while the trainer trains; weights go to the servers after each update
+    (``weight_transfer``), interrupting the responses in flight (``partial_rollout``)."""
 
 
 class StalePolicy(_Choice):
@@ -166,6 +167,18 @@ class PartialRollout(_Choice):
     (PipelineRL's in-flight update); their earlier tokens keep their version."""
     reprefill = "reprefill"
     """They are aborted and re-prefilled from prompt + partial response by the new weights, then go on."""
+
+
+class WeightTransfer(_Choice):
+    """How the trainer's weights reach the rollout servers (``worker.rollout.async_rl.weight_transfer``)."""
+
+    auto = "auto"
+    """collective on GPU (an NCCL broadcast), object_store on CPU."""
+    object_store = "object_store"
+    """Through Ray's object store: the trainer's rank 0 puts the buckets once and every server fetches them."""
+    collective = "collective"
+    """A broadcast from the trainer's rank 0 to the servers in a process group of their own (NCCL on GPU, gloo
+    on CPU), apart from the trainer's FSDP group."""
 
 
 class RewardManagerType(str, enum.Enum):

@@ -29,6 +29,7 @@ from vlmrl.algos import (
     KLEstimator,
     LossAvgMode,
     PolicyLossType,
+    ProximalLogProbs,
 )
 from vlmrl.config.options import (
     AgentFailurePolicy,
@@ -49,6 +50,7 @@ from vlmrl.config.options import (
     StalePolicy,
     Strategy,
     TimeoutPolicy,
+    WeightTransfer,
 )
 
 __all__ = [
@@ -311,6 +313,9 @@ class ActorConfig:
     behaviour_weight_mode: BehaviourWeightMode = BehaviourWeightMode.mask
     """With use_decoupled_loss: mask (a token over the cap adds nothing, the loss's denominator unchanged), truncate
     (its weight becomes the cap), or none (unbounded)."""
+    proximal_log_probs: ProximalLogProbs = ProximalLogProbs.recompute
+    """With use_decoupled_loss: recompute the proximal (old) log-probs with a forward pass, or loglinear: no pass,
+    each token's interpolated between vLLM's and the update's own by its policy version (AReaL's prox_logp_method)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -456,7 +461,12 @@ class AsyncConfig:
     partial_rollout: PartialRollout = PartialRollout.keep_kv
     """Disaggregated: what a weight update does to responses being generated."""
     weight_sync_interval: int = 1
-    """Updates between weight syncs to the engines; colocated syncs after every update (1)."""
+    """Disaggregated: the servers get the weights every this many updates (their tokens then lag up to interval - 1
+    versions, which max_head_offpolicyness must allow); colocated syncs after every update (1)."""
+    weight_transfer: WeightTransfer = WeightTransfer.auto
+    """Disaggregated: how the weights reach the rollout servers after an update: object_store (Ray's object store),
+    collective (a broadcast in a process group of the trainer's rank 0 and the servers: NCCL on GPU, gloo on CPU),
+    or auto (collective on GPU, object_store on CPU)."""
 
 
 @dataclass

@@ -1,35 +1,42 @@
-"""Asynchronous training's rollouts, colocated (``worker.rollout.async_rl``): groups admitted ahead of the
-trainer under a staleness bound, scored while it trains, consumed in data order.
+"""Asynchronous training's rollouts (``worker.rollout.async_rl``): groups admitted ahead of the trainer under
+a staleness bound, scored as they finish, consumed in data order.
 
 The unit is the GRPO prompt group. Each step:
 
 1. The step's prompts join the waiting queue, each with its group id (so its seed) fixed on arrival.
-2. Admission (``StalenessManager``, AReaL's rule): as many waiting groups as the bound allows start. They
-   are generated now, by the engines at the current version, and their rewards are launched; a step's
-   groups beyond the ones it trains are carried over, and their rewards are scored while the trainer
-   trains (the reward actor runs apart from the workers). More prompts are drawn when the queue is short.
+2. Admission (``StalenessManager``, AReaL's rule): as many waiting groups as the bound allows start, by the
+   engines at the current version. Each group is taken as soon as its n samples are done, and its rewards
+   are launched then if the reward actor is free (it takes one call at a time), else together with the
+   groups that finish while it scores. A step's groups beyond the ones it trains are carried over. More
+   prompts are drawn when the queue is short.
 3. Consumption: the oldest admitted groups, in admission order (which is data order), never in the order
-   they finish; a group waits for its rewards if they are not in. At consumption each group is checked:
-   its oldest generated token may be at most ``max_head_offpolicyness`` versions behind the weights that
-   train it (admission alone does not guarantee it, AReaL #602). A stale group is dropped, requeued or
+   they finish; a group waits for its rows and rewards if they are not in. At consumption each group is
+   checked: its oldest generated token may be at most ``max_head_offpolicyness`` versions behind the weights
+   that train it (admission alone does not guarantee it, AReaL #602). A stale group is dropped, requeued or
    accepted and counted (``stale_policy``).
 
-With ``max_head_offpolicyness = 0`` a step admits exactly its own prompts, generates them in the calls
-the synchronous sampler makes, and trains them at the version that sampled them: the synchronous run.
+Colocated, the engine and the actor share each worker and take turns: admitted groups are generated in the
+calls the synchronous sampler makes (``data.mini_rollout_batch_size`` prompts), streamed back a group at a
+time, and what overlaps the trainer is their scoring. With ``max_head_offpolicyness = 0`` a step admits
+exactly its own prompts and trains them at the version that sampled them: the synchronous run.
 
-Colocated, the engine and the actor share each worker and take turns, so generation never overlaps an
-update and no response straddles two versions; what overlaps the trainer is the scoring. A checkpoint
-holds the manager's counters and the groups drawn but not yet trained (their rows and group ids), never
-the generated work: a resumed run generates them again, so each prompt trains once (AReaL #1388).
+Disaggregated, each admitted group is one call to the rollout servers, all in flight at once while the
+trainer trains; a watcher thread collects each as it finishes and scores it, so rewards overlap the update
+too. A weight push lands in the middle of responses (``partial_rollout``), so a group may straddle versions.
+
+A checkpoint holds the manager's counters and the groups drawn but not yet trained (their rows and group
+ids), never the generated work: a resumed run generates them again, so each prompt trains once (AReaL #1388).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ray
 import torch
 
 from vlmrl.config import Config
@@ -44,9 +51,10 @@ from vlmrl.workers.rollout_pool import PendingCall
 
 @dataclass
 class _Call:
-    """One generation call's groups: their rows and the reward job scoring them (disaggregated: not yet, while
-    the call is ``pending`` on the rollout servers)."""
+    """Groups generated, or scored, together: their rows once in (disaggregated: ``pending`` on the rollout
+    servers until then), and the reward job scoring them (None until it is launched)."""
 
+    groups: list[_Group]
     batch: Batch | None = None
     job: ScoringJob | None = None
     rewards: Rewards | None = None
@@ -93,14 +101,32 @@ class AsyncRolloutSampler:
         """Drawn, not admitted: in data order (requeued groups go first)."""
         self.admitted: deque[_Group] = deque()
         """Admitted and not yet consumed, in admission order."""
-        self.counts = {"generate_s": 0.0}
+        self.counts = {"generate_s": 0.0, "batch_wait_s": 0.0}
+        self.reward_wait_s = 0.0
+        self._lock = threading.RLock()
+        """Guards the calls and the manager: the watcher (disaggregated) collects finished calls beside the step."""
+        self._watch_error: BaseException | None = None
+        self._last_job: ScoringJob | None = None
+        """The newest reward job launched; while it runs, groups that finish wait to be scored together."""
+        self.unscored: list[_Call] = []
+        """Generated, their rewards not launched yet: the reward actor (one call at a time) was busy."""
+        self._closed = threading.Event()
+        if self.pool is not None:
+            # A call the servers finish while the trainer trains is collected and its rewards launched at once,
+            # not at the next ``sample``: the scoring overlaps the update too.
+            threading.Thread(target=self._watch, name="vlmrl-async-watch", daemon=True).start()
 
     # ------------------------------------------------------------------ the step
 
     def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
         """The step's ``groups_per_step`` groups, in admission order, scored; drawing more prompts as needed."""
+        with self._lock:
+            return self._sample(prompts, more_prompts)
+
+    def _sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
+        self._raise_watch_error()
         self._enqueue(prompts)
-        self.counts = {"generate_s": 0.0}
+        self.counts = {"generate_s": 0.0, "batch_wait_s": 0.0}
         version = self.manager.version
         taken: list[_Group] = []
         lags: list[int] = []
@@ -123,7 +149,8 @@ class AsyncRolloutSampler:
                 # newer weights.
                 self.waiting.appendleft(_Group(self.new_group_ids(1)[0], group.prompt))
         batch = Batch.concat([self._rows(g) for g in taken])
-        self._poll()  # calls finished meanwhile are scored while the trainer trains
+        self._poll()
+        self._score(force=True)  # groups in and not yet scored are scored while the trainer trains
         generated = batch.policy_versions[batch.policy_versions >= 0]
         stats = self.manager.stats()
         metrics = {
@@ -137,8 +164,14 @@ class AsyncRolloutSampler:
             "async/partial_rollout_share": _straddling_share(batch),
             "async/carried_over": float(len(self.admitted)),
             "async/carried_over_age": float(max((version - g.admitted_at for g in self.admitted), default=0)),
+            # Groups admitted and not trained: still generating (in flight) or generated and waiting (in queue).
+            "async/lag/in_flight_max": float(max((version - g.admitted_at for g in self.admitted
+                                                  if g.call.batch is None), default=0)),
+            "async/lag/in_queue_max": float(max((version - g.admitted_at for g in self.admitted
+                                                 if g.call.batch is not None), default=0)),
             "timing_s/async/generate": self.counts["generate_s"],
-        }
+            "timing_s/async/batch_wait": self.counts["batch_wait_s"],
+        }  # fmt: skip
         on_policy = bool(generated.numel()) and bool((generated == version).all())
         # The rewards are collected when the step asks for them, after its log-prob passes, as the synchronous
         # sampler's are: with eta = 0 the schedule is the synchronous one, overlap included.
@@ -146,7 +179,32 @@ class AsyncRolloutSampler:
 
     def weights_synced(self) -> None:
         """The engines hold the weights of one more update."""
-        self.manager.set_version(self.manager.version + 1)
+        with self._lock:
+            self.manager.set_version(self.manager.version + 1)
+
+    def step_metrics(self, step_s: float) -> dict[str, float]:
+        """The step's idle shares, once it is over (``step_s``: its seconds).
+
+        * ``async/trainer_idle_share``: the trainer waited for a batch (on the rollout servers) or for
+          rewards, doing nothing.
+        * ``async/rollout_idle_share``: the engines did not step. Colocated, they idle whenever the workers
+          are not generating; disaggregated, the servers' own count of their engine steps.
+        """
+        if step_s <= 0:
+            return {}
+        waited = self.counts["batch_wait_s"] + self.reward_wait_s
+        if self.pool is None:
+            rollout_idle = 1.0 - self.counts["generate_s"] / step_s
+        else:
+            rollout_idle = self.pool.idle_share()
+        return {
+            "async/trainer_idle_share": min(1.0, waited / step_s),
+            "async/rollout_idle_share": max(0.0, rollout_idle),
+        }
+
+    def close(self) -> None:
+        """Stop the watcher (disaggregated); the servers are the worker group's to shut down."""
+        self._closed.set()
 
     # ------------------------------------------------------------------ admission and scoring
 
@@ -165,45 +223,98 @@ class AsyncRolloutSampler:
             self.manager.start()
             g.admitted_at = self.manager.version
             self.admitted.append(g)
-        # In calls of data.mini_rollout_batch_size prompts, as the synchronous sampler makes them.
-        for i in range(0, len(starting), self.prompts_per_call):
-            part = starting[i : i + self.prompts_per_call]
-            prompts, group_ids = [g.prompt for g in part], [g.group_id for g in part]
-            if self.pool is None:
-                t0 = time.perf_counter()
-                batch = self.workers.generate(prompts, group_ids, self.sampling)
-                self.counts["generate_s"] += time.perf_counter() - t0
-                call = _Call(batch, self.scorer.launch(batch))
-                self._finished(call)
-            else:  # submitted; scored once it is in (``_poll``)
-                call = _Call(pending=self.pool.submit(prompts, group_ids, self.sampling))
-                self.generating.append(call)
-            for g in part:
-                g.call = call
+        if self.pool is None:
+            # In calls of data.mini_rollout_batch_size prompts, as the synchronous sampler makes them, so eta = 0
+            # gives the engines the synchronous run's batches.
+            for i in range(0, len(starting), self.prompts_per_call):
+                self._generate_here(starting[i : i + self.prompts_per_call])
+        else:  # a call per group, all in flight on the servers at once; each is scored as it comes in (``_poll``)
+            for g in starting:
+                g.call = _Call([g], pending=self.pool.submit([g.prompt], [g.group_id], self.sampling))
+                self.generating.append(g.call)
         self._poll()
+
+    def _generate_here(self, part: list[_Group]) -> None:
+        """Colocated: generate ``part`` on the workers' engines, taking each group as its samples finish, and
+        scoring it at once if the reward actor is free (else with the groups that finish while it scores)."""
+        t0 = time.perf_counter()
+        by_id = {g.group_id: g for g in part}
+        prompts, group_ids = [g.prompt for g in part], [g.group_id for g in part]
+        for batch in self.workers.generate_groups(prompts, group_ids, self.sampling):
+            groups = [by_id[i] for i in dict.fromkeys(batch.group_ids.tolist())]
+            call = _Call(groups, batch)
+            for g in groups:
+                g.call = call
+            self._finished(call)
+            self._score()
+        missing = [g.group_id for g in part if g.call is None]
+        if missing:
+            raise RuntimeError(f"async sampler: the workers returned no rows for group(s) {missing}")
+        self._score(force=True)
+        self.counts["generate_s"] += time.perf_counter() - t0
+
+    def _finished(self, call: _Call) -> None:
+        """A call's groups are generated and kept: they wait for the trainer, and for their rewards."""
+        for _ in call.groups:
+            self.manager.finish()
+        self.unscored.append(call)
+
+    def _score(self, force: bool = False) -> None:
+        """Launch the rewards of the groups in and not yet scored, in one job, if the reward actor is free (or
+        ``force``); their groups then point at the merged call."""
+        with self._lock:
+            if not self.unscored:
+                return
+            last = self._last_job
+            if not (force or last is None or last.ref is None or _done(last.ref)):
+                return
+            calls, self.unscored = self.unscored, []
+            batch = calls[0].batch if len(calls) == 1 else Batch.concat([c.batch for c in calls])
+            merged = _Call([g for c in calls for g in c.groups], batch, self.scorer.launch(batch))
+            for g in merged.groups:
+                g.call = merged
+            self._last_job = merged.job
 
     def _poll(self, until: _Call | None = None) -> None:
         """Disaggregated: collect the calls the servers have finished and launch their rewards; with ``until``,
         wait for that call first."""
-        for call in list(self.generating):
-            if call is until or self.pool.done(call.pending):
-                t0 = time.perf_counter()
-                call.batch = self.pool.collect(call.pending)
-                self.counts["generate_s"] += time.perf_counter() - t0  # waiting for the servers
-                call.job, call.pending = self.scorer.launch(call.batch), None
-                self.generating.remove(call)
-                self._finished(call)
+        with self._lock:
+            for call in list(self.generating):
+                if call is until or self.pool.done(call.pending):
+                    t0 = time.perf_counter()
+                    call.batch = self.pool.collect(call.pending)
+                    if until is not None and call is until:  # the step waits on the servers: the trainer idles
+                        self.counts["batch_wait_s"] += time.perf_counter() - t0
+                    call.pending = None
+                    self.generating.remove(call)
+                    self._finished(call)
+            self._score()
 
-    def _finished(self, call: _Call) -> None:
-        """A call's groups are generated and kept: they wait for the trainer (their rewards may still run)."""
-        for _ in range(len(set(call.batch.group_ids.tolist()))):
-            self.manager.finish()
+    def _watch(self) -> None:
+        """Disaggregated, on a thread: collect each call as the servers finish it and score it when the reward
+        actor is free, so rewards run while the trainer trains. An error (a server died) is kept for the step."""
+        while not self._closed.is_set():
+            with self._lock:
+                refs = [r for call in self.generating for r in call.pending.refs]
+            try:
+                if refs:
+                    ray.wait(refs, num_returns=1, timeout=0.2)
+                else:
+                    self._closed.wait(0.05)
+                self._poll()
+            except BaseException as e:  # noqa: BLE001 - handed to the step, which raises it
+                self._watch_error = e
+                return
+
+    def _raise_watch_error(self) -> None:
+        if self._watch_error is not None:
+            raise self._watch_error
 
     def _rows(self, group: _Group) -> Batch:
         """The group's rows (waiting for its generation if it is not in yet), without rewards."""
-        call = group.call
-        if call.batch is None:
-            self._poll(until=call)
+        if group.call.batch is None:
+            self._poll(until=group.call)
+        call = group.call  # it may have been merged with others for scoring meanwhile
         return call.batch.select(_rows_of(call, group))
 
     def _rewards(self, taken: list[_Group]) -> Rewards:
@@ -212,6 +323,8 @@ class AsyncRolloutSampler:
         start, timeouts = time.perf_counter(), 0
         scores, per_sample = [], {}
         for group in taken:
+            if group.call.job is None:  # in, but not scored yet: score it now
+                self._score(force=True)
             call = group.call
             if call.rewards is None:  # collected once for all of its groups, this step's or carried over
                 call.rewards = self.scorer.collect(call.job, call.batch)
@@ -220,10 +333,11 @@ class AsyncRolloutSampler:
             scores.append(call.rewards.token_level_scores.index_select(0, rows))
             for name, values in call.rewards.per_sample.items():
                 per_sample.setdefault(name, []).extend(values[i] for i in rows.tolist())
+        self.reward_wait_s = time.perf_counter() - start
         metrics = {
             **reduce_reward_metrics(per_sample, prefix="reward"),
             "reward/timeouts": timeouts,
-            "timing_s/async/reward_wait": time.perf_counter() - start,
+            "timing_s/async/reward_wait": self.reward_wait_s,
         }
         return Rewards(torch.cat(scores), per_sample, metrics)
 
@@ -231,6 +345,10 @@ class AsyncRolloutSampler:
 
     def state(self) -> dict:
         """The counters and the groups drawn but not trained (row, group id), waiting ones after admitted ones."""
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> dict:
         pending = [*self.admitted, *self.waiting]
         return {
             "staleness": self.manager.state_dict(),
@@ -245,6 +363,11 @@ class AsyncRolloutSampler:
         self.waiting = deque(_Group(int(g), self.prompt_by_row(int(row))) for row, g in state["pending"])
         self.admitted = deque()
         self.manager.enqueue(len(self.waiting))
+
+
+def _done(ref: ray.ObjectRef) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
 
 
 def _rows_of(call: _Call, group: _Group) -> torch.Tensor:

@@ -172,7 +172,7 @@ class TrainingLoop:
                 # 2. Log-probs under the current and the reference policy, and the critic's values,
                 #    while the rewards are computed.
                 # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
-                old_from_update = rollout.on_policy and self.plan.old_log_probs_from_forward(step, len(batch))
+                old_from_update = self.plan.old_log_probs_from_forward(step, len(batch), rollout.on_policy)
                 entropy = None
                 if not old_from_update:
                     with timer("old", timings):
@@ -197,7 +197,8 @@ class TrainingLoop:
                         critic_metrics = self.workers.update_critic(batch, self.critic_settings)
                 if step > self.config.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        update = self.workers.update_actor(batch, self.actor_settings, old_from_update)
+                        settings = self.actor_settings.at_version(rollout.version, batch)  # loglinear's v
+                        update = self.workers.update_actor(batch, settings, old_from_update)
                     actor_metrics = update.metrics
                     if old_from_update:
                         batch.old_log_probs, entropy = update.log_probs, update.entropy
@@ -231,6 +232,7 @@ class TrainingLoop:
                 **{f"timing_s/{k}": v for k, v in timings.items()},
                 **{f"timing_s/gen/{k}": v for k, v in gen_pieces.items()},
                 **self.perf.metrics(batch, timings),
+                **self.sampler.step_metrics(timings["step"]),
             }
             self.tracker.log(metrics, step)
             # A run whose updates are all skipped (NaN) trains nothing: fail it, naming the steps.
@@ -240,6 +242,7 @@ class TrainingLoop:
                 print(f"stop requested: saved step {step}, exiting", flush=True)
                 break
         progress.close()
+        self.sampler.close()
         self.tracker.close()
 
     # ----------------------------------------------------------- checkpoints

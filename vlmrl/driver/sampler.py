@@ -101,6 +101,13 @@ class RolloutSampler:
     def weights_synced(self) -> None:
         """The engines hold new weights (asynchronous training counts versions; here nothing to do)."""
 
+    def step_metrics(self, step_s: float) -> dict[str, float]:
+        """Metrics known once the step is over (asynchronous training's idle shares; here none)."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing runs beside the step here."""
+
     def state(self) -> dict:
         """What a checkpoint keeps of the sampler: nothing, every step's prompts are its own."""
         return {}

@@ -46,6 +46,8 @@ class EngineLoop:
         """Requests taken to be added, or added and not finished; only the loop removes them."""
         self._paused = False
         self._closing = False
+        self.busy_s = 0.0
+        """Seconds the loop has spent in engine steps (the engine's busy time; its idle time is the rest)."""
         self._thread = threading.Thread(target=self._run, name="vlmrl-endpoint-engine", daemon=True)
         self._thread.start()
 
@@ -157,11 +159,14 @@ class EngineLoop:
                 except Exception as e:  # a request the engine refuses fails alone
                     self._finish(request.request_id, error=e)
             if self._in_flight:
+                started = time.perf_counter()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # every request in the step is lost; fail them, keep serving
                     self._abort(set(self._in_flight), f"failed in an engine step ({type(e).__name__}: {e})")
                     continue
+                finally:
+                    self.busy_s += time.perf_counter() - started
                 for output in outputs:
                     self._finish(output.request_id, output=output)
         self._abort(set(self._in_flight), "aborted: the endpoint closed")

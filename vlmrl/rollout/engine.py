@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +182,18 @@ class Engine(ABC):
         output of a request added outside this call would have nowhere to go.
         The engine is woken first and put to sleep after (see ``sleep``).
         """
+        done = {output.request_id: output for output in self.stream(requests)}
+        t0 = time.perf_counter()
+        outputs = [done[r.request_id] for r in requests]
+        self.last_timings["outputs"] += time.perf_counter() - t0
+        return outputs
+
+    def stream(self, requests: Sequence[EngineRequest]) -> Iterator[EngineOutput]:
+        """``generate``, handing each output back as its request finishes (completion order).
+
+        Closing the iterator early aborts the requests left. ``last_timings`` holds the call's pieces once
+        the iterator is exhausted; the time the caller spends between two outputs is not counted.
+        """
         if self.has_unfinished():
             raise EngineBusy("generate needs an idle engine; finish or abort the unfinished requests first")
         ids = [r.request_id for r in requests]
@@ -190,24 +202,26 @@ class Engine(ABC):
         t0 = time.perf_counter()
         self.wake_up()
         awake = time.perf_counter()
-        done: dict[str, EngineOutput] = {}
+        outside = 0.0  # seconds the caller held an output (not the engine's)
+        finished = False
         try:
             for request in requests:
                 self.add(request)
             added = time.perf_counter()
             while self.has_unfinished():
                 for output in self.step():
-                    done[output.request_id] = output
-        except BaseException:
-            # A failed add or step must not leave requests behind for the next caller.
-            self.abort(ids)
-            raise
+                    handed = time.perf_counter()
+                    yield output
+                    outside += time.perf_counter() - handed
+            finished = True
+        finally:
+            if not finished:
+                # A failed add or step, or a caller that stopped early: no request is left for the next caller.
+                self.abort(ids)
         self.sleep()
         t2 = time.perf_counter()
-        outputs = [done[i] for i in ids]
         self.last_timings = {
             "requests": added - awake,
-            "engine": (awake - t0) + (t2 - added),  # waking and sleeping count as the engine's, as before
-            "outputs": time.perf_counter() - t2,
+            "engine": (awake - t0) + (t2 - added) - outside,  # waking and sleeping count as the engine's
+            "outputs": 0.0,
         }
-        return outputs

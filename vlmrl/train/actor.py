@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl import algos
-from vlmrl.algos import DecoupledParams, KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
+from vlmrl.algos import DecoupledParams, KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType, ProximalLogProbs
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
@@ -140,6 +140,29 @@ class UpdateSettings:
     """The learning rate of each update; None keeps the optimizer's (optim.lr)."""
     decoupled: DecoupledParams | None = None
     """The decoupled PPO loss (``use_decoupled_loss``): the behaviour weight's cap and mode; None for plain PPO."""
+    proximal_log_probs: ProximalLogProbs = ProximalLogProbs.recompute
+    """With ``decoupled``: the proximal log-probs are the batch's old ones (recompute), or each micro-batch's
+    ``proximal_log_probs_loglinear`` of the behaviour log-probs and its own forward (loglinear)."""
+    policy_version: int | None = None
+    """loglinear: the policy version ``v`` of the weights at the start of this update (the proximal policy; the
+    current one counts as ``v + 1``); the driver sets it per step (``at_version``)."""
+
+    @property
+    def loglinear(self) -> bool:
+        """The decoupled loss's proximal log-probs are interpolated in the update (no old-log-prob pass)."""
+        return self.decoupled is not None and self.proximal_log_probs == ProximalLogProbs.loglinear
+
+    def at_version(self, version: int | None, batch: Batch) -> UpdateSettings:
+        """These settings for an update of the weights at policy ``version``; loglinear needs it, others ignore it.
+
+        ``None`` (the synchronous sampler tracks no version): the batch's newest token version, the weights that
+        sampled it being the ones trained (they are synced after every update).
+        """
+        if not self.loglinear:
+            return self
+        if version is None:
+            version = int(batch.policy_versions.max()) if batch.policy_versions.numel() else 0
+        return dataclasses.replace(self, policy_version=version)
 
     @property
     def batching(self) -> MicroBatching:
@@ -178,6 +201,7 @@ class UpdateSettings:
             )
             if actor.use_decoupled_loss
             else None,
+            proximal_log_probs=actor.proximal_log_probs,
         )
 
 
@@ -188,9 +212,11 @@ class ActorUpdate:
     metrics: dict[str, float]
     """Averaged over micro-batches (losses, clip fractions, KL, entropy) and optimizer steps (grad norm)."""
     log_probs: torch.Tensor | None = None
-    """(B, R) on-policy update only: the log-probs of the update's forward, before the step (the old log-probs)."""
+    """(B, R) ``old_from_forward`` only: the log-probs of the update's forward, before the step (the old
+    log-probs); loglinear over several mini-batches: each row's from its first epoch, so its mini-batch's
+    weights, and the proximal log-probs are not these but the interpolation."""
     entropy: torch.Tensor | None = None
-    """(B, R) on-policy update only: their entropy."""
+    """(B, R) ``old_from_forward`` only: their entropy."""
 
 
 def update_policy(
@@ -214,19 +240,34 @@ def update_policy(
     returned with their entropy for the step's metrics. Otherwise the batch
     must carry ``old_log_probs``.
 
+    ``settings.loglinear`` (the decoupled loss with
+    ``proximal_log_probs=loglinear``): the proximal log-probs are each
+    micro-batch's ``proximal_log_probs_loglinear(rollout_log_probs, its own
+    log-probs detached, policy_versions, v, v + 1)`` with ``v =
+    settings.policy_version``, so a token sampled by version ``v`` gets its
+    behaviour log-prob; any number of epochs and mini-batches. The batch's
+    ``old_log_probs`` are not read, and ``old_from_forward`` (no pass ran) only
+    asks for the forward's log-probs back, each row's from its first epoch.
+
     ``loss_avg_mode=per_rollout_mean``: each row's share of its rollout is
     counted first over the rows of every worker (``update_loop.rollout_shares``,
     a collective) and travels with the rows into every micro-batch, whose
     losses weigh their rows by it.
     """
     batch.require("advantages")
-    if old_from_forward and (settings.ppo_epochs != 1 or len(batch) > settings.samples_per_update):
+    loglinear = settings.loglinear
+    if loglinear and settings.policy_version is None:
+        raise ValueError(
+            "proximal_log_probs=loglinear needs UpdateSettings.policy_version, the version of the weights being "
+            "trained (UpdateSettings.at_version)"
+        )
+    if old_from_forward and not loglinear and (settings.ppo_epochs != 1 or len(batch) > settings.samples_per_update):
         raise RuntimeError(
             f"a batch of {len(batch)} samples without old log-probs needs exactly one update, but the settings make "
             f"{settings.ppo_epochs} epoch(s) of {settings.samples_per_update}-sample mini-batches; compute the old "
             "log-probs first (worker.actor.old_log_prob_pass=always)"
         )
-    if not old_from_forward:
+    if not old_from_forward and not loglinear:
         batch.require("old_log_probs")
     if settings.use_kl_loss:
         batch.require("ref_log_probs")
@@ -240,17 +281,30 @@ def update_policy(
     if mode is LossAvgMode.per_rollout_mean:  # a new Batch: the caller's is left as it was
         batch = dataclasses.replace(batch, rollout_shares=rollout_shares(batch))
     tokens = TokenCount()
+    # Rows the micro-batches covered so far: run_epochs' first epoch visits the mini-batches in row order, each
+    # one's micro-batches partitioning it, so a micro-batch's mini-batch starts at a multiple of samples_per_update.
+    seen = 0
 
     def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, entropy = forward_response(
             model, mb, allowed_tokens, entropy_grad=settings.entropy_coeff != 0, padding_free=settings.padding_free
         )
         tokens.add(mb, settings.padding_free)
+        nonlocal seen
         device = log_probs.device
         mask = mb.response_mask.to(device)
-        if old_from_forward:  # one mini-batch: ``rows`` index ``batch`` itself
+        if old_from_forward and seen < len(batch):  # the first epoch: ``rows`` index the mini-batch
+            start = seen // settings.samples_per_update * settings.samples_per_update
+            index = [start + r for r in rows]
+            own_log_probs[index], own_entropy[index] = log_probs.detach().cpu(), entropy.detach().cpu()
+        seen += len(rows)
+        if loglinear:  # the weights before this update are version v; this forward stands for v + 1
+            v = settings.policy_version
+            old_log_probs = algos.proximal_log_probs_loglinear(
+                mb.rollout_log_probs.to(device), log_probs.detach(), mb.policy_versions.to(device), v, v + 1
+            )
+        elif old_from_forward:  # one mini-batch, one epoch
             old_log_probs = log_probs.detach()
-            own_log_probs[rows], own_entropy[rows] = old_log_probs.cpu(), entropy.detach().cpu()
         else:
             old_log_probs = mb.old_log_probs.to(device)
         row_weights = None if mb.rollout_shares is None else mb.rollout_shares.to(device)  # per_rollout_mean

@@ -32,6 +32,7 @@ from vlmrl.validate.features import (
     lora_problems,
     loss_mode_problems,
     not_supported_yet,
+    proximal_problems,
 )
 from vlmrl.validate.files import checkpoint_problems, logger_problems, model_problems, path_problems
 from vlmrl.validate.numbers import batch_problems, range_problems, schedule_problems, validation_problems
@@ -70,6 +71,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *kl_problems(config.algorithm),
         *estimator_problems(config),
         *loss_mode_problems(config),
+        *proximal_problems(config),
         *lora_problems(config),
         *device_problems(config, cluster),
         *validation_problems(config),

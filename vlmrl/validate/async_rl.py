@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS
 from vlmrl.config import AsyncPlacement, Config
+from vlmrl.config.options import WeightTransfer
 
 P = "worker.rollout.async_rl"
 
 
 def async_problems(config: Config) -> list[str]:
     a = config.worker.rollout.async_rl
-    if not a.enable:
-        return []
     problems: list[str] = []
+    if a.weight_transfer is not WeightTransfer.auto and not (a.enable and a.placement is AsyncPlacement.disaggregated):
+        problems.append(
+            f"{P}.weight_transfer={a.weight_transfer.value} without {P}.enable=true and {P}.placement=disaggregated: "
+            "only rollout servers are sent the weights (a colocated engine loads them in its own process); set "
+            f"{P}.weight_transfer=auto, or {P}.enable=true {P}.placement=disaggregated"
+        )
+    if not a.enable:
+        return problems
     eta, groups = a.max_head_offpolicyness, config.data.rollout_batch_size
     if eta < 0:
         problems.append(f"{P}.max_head_offpolicyness={eta}: must be 0 (the synchronous schedule) or more")
@@ -59,10 +66,14 @@ def _disaggregated_problems(config: Config) -> list[str]:
     where = f"with {P}.placement=disaggregated"
     if a.rollout_workers < 1:
         problems.append(f"{P}.rollout_workers={a.rollout_workers}: disaggregated needs at least 1 rollout server")
-    if a.weight_sync_interval != 1:
+    k, eta = a.weight_sync_interval, a.max_head_offpolicyness
+    if k < 1:
+        problems.append(f"{P}.weight_sync_interval={k}: must be 1 (a push after every update) or more")
+    elif k - 1 > eta:
         problems.append(
-            f"{P}.weight_sync_interval={a.weight_sync_interval} {where}: the servers get the weights after every "
-            "update (a version per update); skipping syncs is not built yet; set 1"
+            f"{P}.weight_sync_interval={k} {where} and max_head_offpolicyness={eta}: between pushes the servers "
+            f"sample with weights up to {k - 1} version(s) behind the trainer, so every such group would be stale; "
+            f"raise {P}.max_head_offpolicyness to {k - 1} or more, or lower the interval to {eta + 1}"
         )
     if rollout.multi_turn.enable:
         problems.append(

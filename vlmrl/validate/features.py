@@ -8,7 +8,7 @@ import re
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator, LossAvgMode
 from vlmrl.config import AlgorithmConfig, Config, Device
-from vlmrl.plan import Cluster, device, uses_critic, uses_reference, weights_dtype, world_size
+from vlmrl.plan import Cluster, device, kl_in_reward, uses_critic, uses_reference, weights_dtype, world_size
 
 __all__ = [
     "GROUP_ESTIMATORS",
@@ -18,6 +18,7 @@ __all__ = [
     "lora_problems",
     "loss_mode_problems",
     "not_supported_yet",
+    "proximal_problems",
 ]
 
 GROUP_ESTIMATORS = {e for e, spec in ADVANTAGE_ESTIMATORS.items() if spec.needs_groups}
@@ -99,6 +100,33 @@ def estimator_problems(config: Config) -> list[str]:
         problems.append(
             f"worker.actor.behaviour_weight_cap={actor.behaviour_weight_cap}: must be at least 1 (a weight of 1 is "
             "a token the engine and the actor agree on)"
+        )
+    return problems
+
+
+def proximal_problems(config: Config) -> list[str]:
+    """``worker.actor.proximal_log_probs=loglinear``: what the interpolated proximal log-probs need and replace."""
+    actor = config.worker.actor
+    if actor.proximal_log_probs != "loglinear":
+        return []
+    key = "worker.actor.proximal_log_probs=loglinear"
+    if not actor.use_decoupled_loss:
+        return [
+            f"{key} without worker.actor.use_decoupled_loss=true: the proximal log-probs are the decoupled loss's; "
+            "set worker.actor.use_decoupled_loss=true and worker.rollout.calculate_log_probs=true, or "
+            "worker.actor.proximal_log_probs=recompute"
+        ]
+    problems = []
+    if kl_in_reward(config):
+        problems.append(
+            f"{key} with the KL in the reward (algorithm.use_kl_loss=false): the penalty reads the old log-probs "
+            "before the update, and loglinear runs no pass to give them; set algorithm.use_kl_loss=true or "
+            "algorithm.disable_kl=true, or worker.actor.proximal_log_probs=recompute"
+        )
+    if actor.old_log_prob_pass == "always":
+        problems.append(
+            f"worker.actor.old_log_prob_pass=always with {key}: the update interpolates the proximal log-probs "
+            "and reads no pass; set worker.actor.old_log_prob_pass=auto, or worker.actor.proximal_log_probs=recompute"
         )
     return problems
 

@@ -11,8 +11,8 @@ engine for the load. The transfer is a pickle of the tensors, so it is bit-exact
 Memory: the pusher's dict, one copy in the object store, and on each server one full copy
 during the load (vLLM's ``reload_weights`` must get the whole model in one call, so the
 buckets cannot be streamed into it from the store without stalling the engine on the
-transfer). On GPU the same buckets would go through host memory; an NCCL broadcast is the
-path there and is not written yet.
+transfer). On GPU the same buckets would go through host memory; the broadcast in
+``vlmrl.weight_sync.collective`` (NCCL there) is the default path on GPU.
 
 Imports the rollout's interface only (and Ray); the servers are duck-typed actor handles.
 """
@@ -89,7 +89,14 @@ def push_weights(
     start = time.perf_counter()
     buckets = put_buckets(named_tensors, bucket_bytes)
     put = time.perf_counter()
-    ray.get([s.load_weights.remote(buckets, version, interrupt.value) for s in servers], timeout=timeout)
+    try:
+        ray.get([s.load_weights.remote(buckets, version, interrupt.value) for s in servers], timeout=timeout)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(
+            f"a rollout server died during the push of weights version {version} (killed, out of memory, or its "
+            "node lost); the run stops here. Run the same command again to resume from the last checkpoint. "
+            f"Ray says: {str(e).splitlines()[0]}"
+        ) from None
     return {
         "timing_s/resync_put": put - start,
         "timing_s/resync_load": time.perf_counter() - put,

@@ -13,6 +13,7 @@ engine, and its weight sync pushes the full weights from rank 0 to the rollout s
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -25,6 +26,15 @@ from vlmrl.train import critic as critic_passes
 from vlmrl.train.fsdp_options import uses
 from vlmrl.weight_sync import EngineSink, WeightSync
 from vlmrl.config import PartialRollout, RewardModelPlacement
+from vlmrl.config.options import WeightTransfer
+from vlmrl.weight_sync.collective import (
+    WeightGroup,
+    backend_of,
+    broadcast_weights,
+    open_group,
+    rendezvous_host,
+    weight_transfer,
+)
 from vlmrl.weight_sync.object_store import push_weights
 from vlmrl.workers.reward_model import RewardModelServer
 from vlmrl.workers.rollout import RolloutWorker
@@ -47,6 +57,13 @@ class HybridWorker:
         self.bucket_bytes = rollout_cfg.resync_bucket_mb << 20
         self.servers = servers
         self.interrupt = _INTERRUPT[rollout_cfg.async_rl.partial_rollout]
+        self.transfer = weight_transfer(rollout_cfg.async_rl.weight_transfer, plan.device)
+        """Disaggregated: how rank 0 sends the weights to the servers (object store, or the group's broadcast)."""
+        self.weight_group: WeightGroup | None = None
+        """Rank 0, collective transfer: its member of the weight-transfer group (``open_weight_group``)."""
+        self.sync_interval = rollout_cfg.async_rl.weight_sync_interval if servers else 1
+        """Disaggregated: the servers get the weights every this many updates (the versions in between are the
+        trainer's only, and the servers' tokens carry the version they last got)."""
         self.rollout: RolloutWorker | None = None
         self.weight_sync: WeightSync | None = None
         if not plan.rollout_servers:
@@ -102,6 +119,19 @@ class HybridWorker:
             self.trainer.hold(trajectories)
         return [t.slim() for t in trajectories], timings
 
+    def generate_groups(
+        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool
+    ) -> Iterator[tuple[list[Trajectory], dict[str, float]]]:
+        """``generate`` as a Ray streaming generator (``num_returns="streaming"``): each prompt's trajectories
+        as soon as its samples finish, with no timings, then ``([], the call's timings)``."""
+        if self.rollout is None:
+            raise RuntimeError("this worker has no engine: disaggregated, the rollout servers generate")
+        for trajectories in self.rollout.generate_groups(prompts, group_ids, sampling):
+            if keep:
+                self.trainer.hold(trajectories)
+            yield [t.slim() for t in trajectories], {}
+        yield [], self.rollout.last_timings
+
     def release(self) -> None:
         self.trainer.release()
 
@@ -153,19 +183,38 @@ class HybridWorker:
         """Collective: stream the actor's weights into this worker's engine, or (disaggregated) gather them and
         push them from rank 0 to the rollout servers; the resync's seconds (and largest bucket, or bytes pushed)."""
         version = self.policy_version + 1
-        metrics = self.weight_sync.sync(version) if self.servers is None else self._push(version)
         self.policy_version = version
-        return metrics
+        if self.servers is None:
+            return self.weight_sync.sync(version)
+        if version % self.sync_interval:  # not a sync this update (weight_sync_interval)
+            return {"perf/resync_skipped": 1.0}
+        return self._push(version)
+
+    def open_weight_group(self) -> None:
+        """Disaggregated with the collective transfer, on rank 0: make the weight-transfer group with the rollout
+        servers (once, after they have started; NCCL on GPU, gloo on CPU). Nothing to do otherwise."""
+        if self.trainer.rank != 0 or not self.servers or self.transfer is not WeightTransfer.collective:
+            return
+        if self.weight_group is None:
+            self.weight_group = open_group(self.servers, backend_of(self.plan.device), rendezvous_host())
 
     def _push(self, version: int) -> dict[str, float]:
         """Collective: the full weights (merged under LoRA) on rank 0, cast to the engine's dtype and loaded into
-        every server as ``version`` through the object store; responses in flight are interrupted as configured."""
+        every server as ``version``, through the object store or broadcast in the weight-transfer group
+        (``transfer``); responses in flight are interrupted as configured."""
         start = time.perf_counter()
         weights = self.trainer.full_weights()  # rank 0's dict; the other ranks' are empty
         metrics = {}
         if self.trainer.rank == 0:
             named = ((name, tensor.to(self.rollout_dtype)) for name, tensor in weights.items())
-            metrics = push_weights(named, self.servers, version, self.interrupt, self.bucket_bytes)
+            if self.transfer is WeightTransfer.collective:
+                if self.weight_group is None:
+                    raise RuntimeError("the weight-transfer group is not open: call open_weight_group first")
+                metrics = broadcast_weights(
+                    named, self.weight_group, self.servers, version, self.interrupt, self.bucket_bytes
+                )
+            else:
+                metrics = push_weights(named, self.servers, version, self.interrupt, self.bucket_bytes)
         return {**metrics, "timing_s/resync_worker": time.perf_counter() - start}
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
@@ -177,5 +226,9 @@ class HybridWorker:
         came back."""
         restored_optimizer = self.trainer.load_checkpoint(path)
         self.policy_version = max(version, 1) - 1
-        self.sync_weights()
+        if self.servers is None:
+            self.sync_weights()
+        else:  # whatever the interval: the servers restarted on the initial weights
+            self.policy_version += 1
+            self._push(self.policy_version)
         return restored_optimizer

@@ -50,6 +50,10 @@ class PendingCall:
     submitted: float
 
 
+class RolloutServerDied(RuntimeError):
+    """A rollout server's actor is gone (killed, out of memory, its node lost): the run cannot go on."""
+
+
 class RolloutPool:
     def __init__(self, servers: list, config: Config, pad_token_id: int):
         self.servers = servers
@@ -57,6 +61,9 @@ class RolloutPool:
         self.pad_token_id = pad_token_id
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the collected calls' pieces (the slowest server's) since ``WorkerGroup.take_rollout_timings``."""
+        self._next_server = 0
+        self._busy_mark: tuple[float, float] | None = None
+        """(wall clock, the servers' summed engine seconds) when ``idle_share`` last looked."""
 
     def wait_started(self, timeout: float | None) -> None:
         """Wait until every server's engine is up (raises Ray's ``GetTimeoutError`` past ``timeout``)."""
@@ -65,9 +72,12 @@ class RolloutPool:
     def submit(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> PendingCall:
         """Start generating n samples per prompt, the prompts split in contiguous shares over the servers."""
         share = math.ceil(len(prompts) / len(self.servers))
+        # Calls smaller than the servers (a group at a time) start at the next server each time, round-robin.
+        first, self._next_server = self._next_server, (self._next_server + 1) % len(self.servers)
+        servers = self.servers[first:] + self.servers[:first]
         refs = [
             server.generate.remote(prompts[i : i + share], group_ids[i : i + share], sampling)
-            for server, i in zip(self.servers, range(0, len(prompts), share))
+            for server, i in zip(servers, range(0, len(prompts), share))
         ]
         return PendingCall(prompts, group_ids, refs, time.perf_counter())
 
@@ -79,7 +89,7 @@ class RolloutPool:
 
     def collect(self, call: PendingCall) -> Batch:
         """The call's rows in prompt order, with the prompts' media, as one ``Batch`` (waits for the call)."""
-        results = ray.get(call.refs)
+        results = self._get(call.refs)
         prompt_of = dict(zip(call.group_ids, call.prompts))
         trajectories = [with_prompt_media(t, prompt_of[t.group_id]) for part, _ in results for t in part]
         if not trajectories:
@@ -92,6 +102,29 @@ class RolloutPool:
         self.rollout_timings["server_call"] = self.rollout_timings.get("server_call", 0.0) + latency
         return rollout_batch(trajectories, self.config, self.pad_token_id)
 
+    def _get(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list:
+        """``ray.get``, with a server that died named, rather than Ray's actor error."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            dead = [i for i, s in enumerate(self.servers) if not _alive(s)]
+            raise RolloutServerDied(
+                f"rollout server(s) {dead or '?'} of {len(self.servers)} died (killed, out of memory, or its node "
+                "lost); the run stops here. Run the same command again to resume from the last checkpoint. "
+                f"Ray says: {str(e).splitlines()[0]}"
+            ) from None
+
+    def idle_share(self) -> float:
+        """The share of the servers' time since the last look that their engines did not step (0 to 1); NaN at
+        the first look."""
+        busy = sum(self._get([s.busy_seconds.remote() for s in self.servers], timeout=60))
+        now = time.perf_counter()
+        mark, self._busy_mark = self._busy_mark, (now, busy)
+        if mark is None or now <= mark[0]:
+            return float("nan")
+        capacity = (now - mark[0]) * len(self.servers)
+        return min(1.0, max(0.0, 1.0 - (busy - mark[1]) / capacity))
+
     def generate(self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling) -> Batch:
         """Submit and wait (validation)."""
         return self.collect(self.submit(prompts, group_ids, sampling))
@@ -103,3 +136,11 @@ class RolloutPool:
     def shutdown(self) -> None:
         for server in self.servers:
             ray.kill(server)
+
+
+def _alive(server) -> bool:
+    try:
+        ray.get(server.version.remote(), timeout=10)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False

@@ -41,6 +41,7 @@ from vlmrl.rollout.endpoint_loop import EngineLoop
 from vlmrl.rollout.engine import EngineOutput, InterruptMode, NamedTensors, Sampling
 from vlmrl.rollout.sampling import media_offsets, sampling_mask, seeded_requests
 from vlmrl.train.models import apply_overrides, load_processor, tokenizer_of
+from vlmrl.weight_sync.collective import Broadcast, GroupAddress, WeightGroup
 from vlmrl.weight_sync.object_store import WeightBuckets
 from vlmrl.workers.rollout import RolloutWorker
 
@@ -132,19 +133,39 @@ class RolloutServer:
 
     # ---------------------------------------------------------------- weights
 
+    weight_group: WeightGroup | None = None
+    """This server's member of the trainer's weight-transfer group (``join_weight_group``); None: not joined."""
+
+    def join_weight_group(self, address: GroupAddress, rank: int) -> None:
+        """Join the trainer's weight-transfer group as ``rank`` (``vlmrl.weight_sync.collective.open_group``;
+        blocks until every member has joined), once; ``load_weights`` then takes its ``Broadcast``."""
+        if self.weight_group is not None:
+            raise RuntimeError(f"this server is already in a weight-transfer group ({self.weight_group.address})")
+        self.weight_group = WeightGroup(address, rank)
+
     def load_weights(
-        self, weights: WeightBuckets | NamedTensors, version: int, interrupt: InterruptMode | str = "continue"
+        self,
+        weights: WeightBuckets | Broadcast | NamedTensors,
+        version: int,
+        interrupt: InterruptMode | str = "continue",
     ) -> dict[str, float]:
         """Replace the engine's weights (HF names, full tensors) and make them policy ``version``.
 
-        ``weights``: the object-store buckets of a sync (``vlmrl.weight_sync.object_store.push_weights``)
-        or ``(name, tensor)`` pairs. ``interrupt``: an ``InterruptMode`` or its value ("continue",
-        "reprefill", "refuse"). Returns the seconds spent fetching and loading.
+        ``weights``: the object-store buckets of a sync (``vlmrl.weight_sync.object_store.push_weights``),
+        a ``Broadcast`` about to arrive in the weight-transfer group this server joined
+        (``vlmrl.weight_sync.collective.broadcast_weights``), or ``(name, tensor)`` pairs. ``interrupt``: an
+        ``InterruptMode`` or its value ("continue", "reprefill", "refuse"). Returns the seconds spent
+        fetching (or receiving) and loading.
         """
         mode = InterruptMode(interrupt)
         t0 = time.perf_counter()
-        # Fetched here, on a call thread, so the engine keeps generating while the tensors arrive.
-        named = weights.fetch() if isinstance(weights, WeightBuckets) else list(weights)
+        # Fetched (or received) here, on a call thread, so the engine keeps generating while the tensors arrive.
+        if isinstance(weights, Broadcast):
+            if self.weight_group is None or self.weight_group.address != weights.group:
+                raise RuntimeError(f"a broadcast in {weights.group}: a weight-transfer group this server is not in")
+            named = self.weight_group.receive()
+        else:
+            named = weights.fetch() if isinstance(weights, WeightBuckets) else list(weights)
         t1 = time.perf_counter()
         with self._load_lock:
             if mode is InterruptMode.refuse:
@@ -171,6 +192,10 @@ class RolloutServer:
     def in_flight(self) -> int:
         """Requests added to the engine and not finished (for admission and tests)."""
         return self.loop.in_flight()
+
+    def busy_seconds(self) -> float:
+        """Seconds the engine has spent stepping since the server started (the rest of the time it was idle)."""
+        return self.loop.busy_s
 
     def close(self) -> None:
         """Abort everything queued or in flight (their generate calls raise ``Aborted``) and stop the loop."""
