@@ -45,12 +45,6 @@ class Engines:
                 )  # fmt: skip
         return to_batch(rows, max_prompt_length=2, max_response_length=1, pad_token_id=0)
 
-    def generate_groups(self, prompts, group_ids, sampling, keep=False):
-        """As the workers stream them: a group at a time, the last prompt's first (completion order)."""
-        batch = self.generate(prompts, group_ids, sampling, keep)
-        for g in reversed(group_ids):
-            yield batch.select((batch.group_ids == g).nonzero().flatten())
-
 
 class Scorer:
     def launch(self, batch):

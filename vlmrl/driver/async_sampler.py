@@ -5,10 +5,9 @@ The unit is the GRPO prompt group. Each step:
 
 1. The step's prompts join the waiting queue, each with its group id (so its seed) fixed on arrival.
 2. Admission (``StalenessManager``, AReaL's rule): as many waiting groups as the bound allows start, by the
-   engines at the current version. Each group is taken as soon as its n samples are done, and its rewards
-   are launched then if the reward actor is free (it takes one call at a time), else together with the
-   groups that finish while it scores. A step's groups beyond the ones it trains are carried over. More
-   prompts are drawn when the queue is short.
+   engines at the current version. Their rewards are launched as they come in, one job at a time (the reward
+   actor takes one call at a time; groups that come in while it scores go together in the next job). A
+   step's groups beyond the ones it trains are carried over. More prompts are drawn when the queue is short.
 3. Consumption: the oldest admitted groups, in admission order (which is data order), never in the order
    they finish; a group waits for its rows and rewards if they are not in. At consumption each group is
    checked: its oldest generated token may be at most ``max_head_offpolicyness`` versions behind the weights
@@ -16,9 +15,10 @@ The unit is the GRPO prompt group. Each step:
    accepted and counted (``stale_policy``).
 
 Colocated, the engine and the actor share each worker and take turns: admitted groups are generated in the
-calls the synchronous sampler makes (``data.mini_rollout_batch_size`` prompts), streamed back a group at a
-time, and what overlaps the trainer is their scoring. With ``max_head_offpolicyness = 0`` a step admits
-exactly its own prompts and trains them at the version that sampled them: the synchronous run.
+calls the synchronous sampler makes (``data.mini_rollout_batch_size`` prompts), each scored in one job when it
+ends, and what overlaps the trainer is that scoring. With ``max_head_offpolicyness = 0`` a step admits exactly
+its own prompts, in the synchronous step's calls, and trains them at the version that sampled them: the
+synchronous run.
 
 Disaggregated, each admitted group is one call to the rollout servers, all in flight at once while the
 trainer trains; a watcher thread collects each as it finishes and scores it, so rewards overlap the update
@@ -235,23 +235,21 @@ class AsyncRolloutSampler:
         self._poll()
 
     def _generate_here(self, part: list[_Group]) -> None:
-        """Colocated: generate ``part`` on the workers' engines, taking each group as its samples finish, and
-        scoring it at once if the reward actor is free (else with the groups that finish while it scores)."""
+        """Colocated: generate ``part`` on the workers' engines in one call and score its groups in one job.
+
+        The trainer waits for the call either way (it shares the workers), and the reward actor takes one job
+        at a time: a job per group as each finished would make a reward that waits on I/O (a judge, a sandbox)
+        wait group after group, where one job waits for its slowest group once. With ``max_head_offpolicyness
+        = 0`` this is the synchronous step's schedule.
+        """
         t0 = time.perf_counter()
-        by_id = {g.group_id: g for g in part}
-        prompts, group_ids = [g.prompt for g in part], [g.group_id for g in part]
-        for batch in self.workers.generate_groups(prompts, group_ids, self.sampling):
-            groups = [by_id[i] for i in dict.fromkeys(batch.group_ids.tolist())]
-            call = _Call(groups, batch)
-            for g in groups:
-                g.call = call
-            self._finished(call)
-            self._score()
-        missing = [g.group_id for g in part if g.call is None]
-        if missing:
-            raise RuntimeError(f"async sampler: the workers returned no rows for group(s) {missing}")
-        self._score(force=True)
+        batch = self.workers.generate([g.prompt for g in part], [g.group_id for g in part], self.sampling)
         self.counts["generate_s"] += time.perf_counter() - t0
+        call = _Call(part, batch)
+        for g in part:
+            g.call = call
+        self._finished(call)
+        self._score(force=True)
 
     def _finished(self, call: _Call) -> None:
         """A call's groups are generated and kept: they wait for the trainer, and for their rewards."""

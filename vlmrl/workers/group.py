@@ -21,7 +21,6 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -377,56 +376,6 @@ class WorkerGroup:
             self.rollout_timings[key] = self.rollout_timings.get(key, 0.0) + slowest
         self.rollout_timings["driver_call"] = self.rollout_timings.get("driver_call", 0.0) + call_seconds
         return batch
-
-    def generate_groups(
-        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool = False
-    ) -> Iterator[Batch]:
-        """``generate``, a prompt group at a time as its samples finish on any worker (completion order), so
-        that the caller can score a group while the others generate. The call's timings are counted as
-        ``generate``'s once the last group is in. Disaggregated or tensor-parallel: one batch at the end."""
-        if self.rollout_pool is not None or self.tensor_parallel_size > 1:
-            yield self.generate(prompts, group_ids, sampling, keep)
-            return
-        start = time.perf_counter()
-        prompt_of = dict(zip(group_ids, prompts))
-        live = {
-            rank: worker.generate_groups.options(num_returns="streaming").remote(p, g, sampling, keep)
-            for rank, (worker, p, g) in enumerate(zip(
-                self.workers, per_tensor_parallel_group(prompts, self.world_size, 1),
-                per_tensor_parallel_group(group_ids, self.world_size, 1), strict=True,
-            ))
-        }  # fmt: skip
-        results: list[dict[str, float]] = []
-        timeout = getattr(self, "call_timeout", None)
-        while live:
-            ready, _ = ray.wait(list(live.values()), num_returns=1, timeout=timeout)
-            if not ready:
-                raise WorkerTimeout(
-                    f"the workers' generate call ran past trainer.step_timeout_s={timeout:g} s without a group "
-                    f"finishing (ranks still running: {sorted(live)}); raise trainer.step_timeout_s if a group "
-                    "really takes this long"
-                )
-            for rank in [r for r, stream in live.items() if any(stream is x for x in ready)]:
-                try:
-                    part, timings = ray.get(next(live[rank]))
-                except StopIteration:
-                    del live[rank]
-                    continue
-                if timings:  # the worker's last item: its call's pieces
-                    results.append(timings)
-                if part:
-                    rows = [with_prompt_media(t, prompt_of[t.group_id]) for t in part]
-                    if keep:
-                        for t in rows:
-                            self._held_by(t).add(rank)
-                    yield rollout_batch(rows, self.config, self.pad_token_id)
-        for timings in results:  # agent rollouts' counts add up over workers
-            for key in [k for k in timings if k.startswith(COUNT_PREFIXES)]:
-                self.rollout_counts[key] = self.rollout_counts.get(key, 0.0) + timings.pop(key)
-        for key in results[0] if results else []:
-            slowest = max(t.get(key, 0.0) for t in results)
-            self.rollout_timings[key] = self.rollout_timings.get(key, 0.0) + slowest
-        self.rollout_timings["driver_call"] = self.rollout_timings.get("driver_call", 0.0) + time.perf_counter() - start
 
     def take_rollout_timings(self) -> dict[str, float]:
         """The rollout pieces' seconds since the last call (``requests``, ``engine``, ``outputs``, ...)."""

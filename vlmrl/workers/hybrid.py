@@ -13,7 +13,6 @@ engine, and its weight sync pushes the full weights from rank 0 to the rollout s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -118,19 +117,6 @@ class HybridWorker:
         if keep:
             self.trainer.hold(trajectories)
         return [t.slim() for t in trajectories], timings
-
-    def generate_groups(
-        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool
-    ) -> Iterator[tuple[list[Trajectory], dict[str, float]]]:
-        """``generate`` as a Ray streaming generator (``num_returns="streaming"``): each prompt's trajectories
-        as soon as its samples finish, with no timings, then ``([], the call's timings)``."""
-        if self.rollout is None:
-            raise RuntimeError("this worker has no engine: disaggregated, the rollout servers generate")
-        for trajectories in self.rollout.generate_groups(prompts, group_ids, sampling):
-            if keep:
-                self.trainer.hold(trajectories)
-            yield [t.slim() for t in trajectories], {}
-        yield [], self.rollout.last_timings
 
     def release(self) -> None:
         self.trainer.release()

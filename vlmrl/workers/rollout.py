@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -108,39 +107,6 @@ class RolloutWorker:
         timings["requests"] = timings.get("requests", 0.0) + t1 - t0
         timings["trajectories"] = time.perf_counter() - t2
         return trajectories, timings
-
-
-    def generate_groups(
-        self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
-    ) -> Iterator[list[Trajectory]]:
-        """``generate``, a prompt's n trajectories at a time, as each prompt's samples all finish (completion
-        order); the call's timings are in ``last_timings`` after the last. Multi-turn and agent rollouts come
-        as one list at the end: their loops finish together."""
-        if self.agent is not None or self.external is not None:
-            trajectories, self.last_timings = self.generate(prompts, group_ids, sampling)
-            yield trajectories
-            return
-        t0 = time.perf_counter()
-        requests = seeded_requests(prompts, group_ids, sampling, self.engine.seed)
-        by_id = {r.request_id: (prompt, group_id) for r, prompt, group_id in zip(requests, prompts, group_ids)}
-        requests_s, building = time.perf_counter() - t0, 0.0
-        for output in self.engine.stream(requests):
-            t1 = time.perf_counter()
-            prompt, group_id = by_id[output.request_id]
-            offsets = media_offsets(prompt.input_ids, self.pad_ids)
-            group = [
-                Trajectory.single_turn(
-                    prompt, group_id, i, sample.token_ids, sample.text, sampling.temperature,
-                    sample.log_probs, output.version, offsets,
-                )  # fmt: skip
-                for i, sample in enumerate(output.samples)
-            ]
-            building += time.perf_counter() - t1
-            yield group
-        timings = dict(self.engine.last_timings)
-        timings["requests"] = timings.get("requests", 0.0) + requests_s
-        timings["trajectories"] = building
-        self.last_timings = timings
 
 
 def family_positions(model_path: str):
