@@ -300,6 +300,7 @@ def part_hf(args, result_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.train.actor import forward_response
+    from vlmrl.train.micro_batches import MicroBatching
     from vlmrl.records import Trajectory
     from vlmrl.records.views import to_batch
     from vlmrl.rollout.sampling import sampling_mask
@@ -323,8 +324,10 @@ def part_hf(args, result_path: Path) -> None:
         max_response_length=args.response_length,
         pad_token_id=processor.tokenizer.pad_token_id or 0,
     )
-    micro_exp = min(args.micro_experience, len(batch))
-    micro_upd = min(args.micro_update, len(batch))
+    # The micro-batches' rows as vlmrl's passes group them (rows of similar length together, each micro-batch
+    # trimmed of the columns all its rows pad), so both sides compute the same token positions.
+    micro_exp = MicroBatching(min(args.micro_experience, len(batch))).groups(batch)
+    micro_upd = MicroBatching(min(args.micro_update, len(batch))).groups(batch)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.0)
     advantages = torch.randn(len(batch), 1)
 
@@ -332,17 +335,18 @@ def part_hf(args, result_path: Path) -> None:
         # The entropy only where vlmrl computes it too (the old pass logs it; the reference pass skips it).
         t0 = time.perf_counter()
         with torch.no_grad():
-            for mb in batch.split(micro_exp):
-                forward_response(model, mb, allowed, with_entropy=with_entropy)
+            for rows in micro_exp:
+                forward_response(model, batch.select(rows), allowed, with_entropy=with_entropy)
         return time.perf_counter() - t0
 
     def update_pass() -> float:
         t0 = time.perf_counter()
         actor.train()
         optimizer.zero_grad(set_to_none=True)
-        for i, mb in enumerate(batch.split(micro_upd)):
+        for rows in micro_upd:
+            mb = batch.select(rows)
             log_probs, _ = forward_response(actor, mb, allowed)
-            adv = advantages[i * micro_upd : i * micro_upd + len(mb)]
+            adv = advantages[rows]
             loss = -(log_probs * adv).mean() * len(mb) / len(batch)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
