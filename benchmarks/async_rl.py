@@ -9,7 +9,8 @@ other in this process's machine:
   sync            the synchronous step
   async eta=0     must be within noise of sync (it is the same schedule)
   async eta=1, 2  groups admitted 1 or 2 versions ahead, scored while the trainer trains
-  disaggregated eta=1   1 rollout server + 1 trainer worker (a core each), generating while it trains
+  disaggregated eta=0, 1   1 rollout server + 1 trainer worker (a core each); at eta=0 the server waits for
+                  each update (the placement alone), at eta=1 it generates while the trainer trains
   control sync / control eta=1   the negative control: an instant reward and equal lengths (ignore_eos)
 
 The workload: a reward that waits 0.2-2 s per prompt group (``benchmarks/slow_reward.py``: I/O such as
@@ -38,13 +39,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ASYNC = ["worker.rollout.async_rl.enable=true", "worker.actor.use_decoupled_loss=true"]
+DISAGGREGATED = ["worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"]
 RUNS = {
     "sync": [],
     "async eta=0": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=0"],
     "async eta=1": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1"],
     "async eta=2": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=2"],
-    "disaggregated eta=1": [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1",
-                            "worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
+    "disaggregated eta=0": [*ASYNC, *DISAGGREGATED, "worker.rollout.async_rl.max_head_offpolicyness=0"],
+    "disaggregated eta=1": [*ASYNC, *DISAGGREGATED, "worker.rollout.async_rl.max_head_offpolicyness=1"],
     "control sync": ["CONTROL"],
     "control eta=1": ["CONTROL", *ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1"],
 }
@@ -97,12 +99,18 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=2.0)
     parser.add_argument("--max-response", type=int, default=64)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--runs", help="a comma-separated subset of the runs, in order (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     runs = dict(RUNS)
     if args.smoke:
         args.steps, args.prompts, args.n = 3, 2, 2
         runs = {k: RUNS[k] for k in ("sync", "async eta=1")}
+    if args.runs:
+        unknown = [k for k in args.runs.split(",") if k not in RUNS]
+        if unknown:
+            parser.error(f"--runs: unknown run(s) {unknown}; the runs are {list(RUNS)}")
+        runs = {k: RUNS[k] for k in args.runs.split(",")}
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     result: dict = {"shape": {"steps": args.steps, "prompts": args.prompts, "n": args.n}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="vlmrl-async-bench-") as tmp:
@@ -117,11 +125,12 @@ def main(argv=None) -> int:
             metrics = [json.loads(line) for line in path.read_text().splitlines()]
             result["runs"][name] = summarise(metrics, args.prompts * args.n)
     for name, base in (("async eta=0", "sync"), ("async eta=1", "sync"), ("async eta=2", "sync"),
-                       ("disaggregated eta=1", "sync"), ("control eta=1", "control sync")):  # fmt: skip
+                       ("disaggregated eta=0", "sync"), ("disaggregated eta=1", "sync"),
+                       ("control eta=1", "control sync")):  # fmt: skip
         if name in result["runs"] and base in result["runs"]:
             r = result["runs"][name]
             r["speedup"] = r["samples_per_s"] / result["runs"][base]["samples_per_s"]
-    name = "async_rl_smoke" if args.smoke else "async_rl"
+    name = "async_rl_smoke" if args.smoke else "async_rl_subset" if args.runs else "async_rl"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{name}.md").write_text(markdown(result))
