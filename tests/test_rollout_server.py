@@ -20,10 +20,10 @@ import pytest
 import ray
 import torch
 from helpers.configs import CPU, QUICKSTART
+from helpers.rollout_servers import launched_server
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.plan import resolve
 from vlmrl.records import PromptSample
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import InterruptMode, Sampling
@@ -31,7 +31,6 @@ from vlmrl.rollout.sampling import sampling_mask
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
 from vlmrl.weight_sync.object_store import push_weights
-from vlmrl.workers.rollout_server import start_rollout_server
 
 LENGTH = 256  # prompt and response budgets; a long response leaves a load plenty of time to land mid-way
 
@@ -44,17 +43,8 @@ def config(quickstart_assets):
 @pytest.fixture(scope="module")
 def launched(config):
     """The server actor, launched first and not waited on: it starts vLLM while ``parts`` loads the data."""
-    started = not ray.is_initialized()
-    if started:
-        # address="local": a Ray of our own, even while another process on this machine runs one.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handle = start_rollout_server(config, resolve(config, CPU), max_concurrency=6)
-    try:
+    with launched_server(config, max_concurrency=6) as handle:
         yield handle
-    finally:
-        ray.kill(handle)
-        if started:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

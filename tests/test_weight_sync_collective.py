@@ -21,18 +21,17 @@ import ray
 import torch
 import torch.distributed as dist
 from helpers.configs import CPU, QUICKSTART
+from helpers.rollout_servers import launched_server
 from ray import cloudpickle
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.plan import resolve
 from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import InterruptMode, Sampling
 from vlmrl.validate import load_config
 from vlmrl.weight_sync.collective import Broadcast, WeightGroup, broadcast_weights, open_group
 from vlmrl.weight_sync.object_store import push_weights
-from vlmrl.workers.rollout_server import start_rollout_server
 
 BUCKET = 4096  # bytes: the state dict below spans several buckets, and one tensor is larger than a bucket
 LENGTH = 128
@@ -49,16 +48,8 @@ def config(quickstart_assets):
 @pytest.fixture(scope="module")
 def launched(config):
     """The rollout server, launched first and not waited on: vLLM starts while the unit test runs."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handle = start_rollout_server(config, resolve(config, CPU), max_concurrency=4)
-    try:
+    with launched_server(config, max_concurrency=4) as handle:
         yield handle
-    finally:
-        ray.kill(handle)
-        if started:
-            ray.shutdown()
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
