@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from vlmrl.config.options import WeightTransfer
 from vlmrl.rollout.engine import InterruptMode
+from vlmrl.weight_sync.object_store import wait_for_loads
 
 LOOPBACK = "127.0.0.1"
 ALIGN = 64
@@ -250,7 +251,7 @@ def broadcast_weights(
     loads = [s.load_weights.remote(Broadcast(group.address), version, interrupt.value) for s in servers]
     nbytes, buckets = group.send(named_tensors, bucket_bytes)
     sent = time.perf_counter()
-    ray.get(loads, timeout=timeout)
+    wait_for_loads(loads, version, timeout)
     return {
         "timing_s/resync_broadcast": sent - start,
         "timing_s/resync_load": time.perf_counter() - sent,

@@ -89,17 +89,23 @@ def push_weights(
     start = time.perf_counter()
     buckets = put_buckets(named_tensors, bucket_bytes)
     put = time.perf_counter()
-    try:
-        ray.get([s.load_weights.remote(buckets, version, interrupt.value) for s in servers], timeout=timeout)
-    except ray.exceptions.RayActorError as e:
-        raise RuntimeError(
-            f"a rollout server died during the push of weights version {version} (killed, out of memory, or its "
-            "node lost); the run stops here. Run the same command again to resume from the last checkpoint. "
-            f"Ray says: {str(e).splitlines()[0]}"
-        ) from None
+    wait_for_loads([s.load_weights.remote(buckets, version, interrupt.value) for s in servers], version, timeout)
     return {
         "timing_s/resync_put": put - start,
         "timing_s/resync_load": time.perf_counter() - put,
         "perf/resync_mb": buckets.nbytes / 2**20,
         "perf/resync_buckets": float(len(buckets.refs)),
     }
+
+
+def wait_for_loads(loads: list[ray.ObjectRef], version: int, timeout: float | None = None) -> None:
+    """Wait for the servers' ``load_weights`` calls of weights ``version``; a server that died is reported as
+    such, with what to do, rather than as Ray's actor error."""
+    try:
+        ray.get(loads, timeout=timeout)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(
+            f"a rollout server died during the push of weights version {version} (killed, out of memory, or its "
+            "node lost); the run stops here. Run the same command again to resume from the last checkpoint. "
+            f"Ray says: {str(e).splitlines()[0]}"
+        ) from None
