@@ -37,6 +37,7 @@ def test_defaults():
     reward = RewardConfig()
     assert reward.timeout == 300.0 and reward.on_timeout is TimeoutPolicy.error
     assert reward.num_cpus == 1 and reward.reward_type is None
+    assert reward.num_workers is None  # resolved by plan.reward_workers
 
 
 def test_options_parse_from_the_command_line():
@@ -106,6 +107,8 @@ def test_a_missing_module_is_a_config_error():
         ("worker.reward.timeout=0", "worker.reward.timeout=0.0: must be a positive number of seconds, or null"),
         ("worker.reward.timeout=-5", "worker.reward.timeout=-5.0: must be a positive number"),
         ("worker.reward.num_cpus=0", "worker.reward.num_cpus=0: must be at least 1"),
+        ("worker.reward.num_workers=0", "worker.reward.num_workers=0: must be at least 1"),
+        ("worker.reward.num_workers=-2", "worker.reward.num_workers=-2: must be at least 1"),
         (
             "worker.reward.on_timeout=skip",
             "worker.reward.on_timeout='skip': not a valid option; choose one of: error, zero",

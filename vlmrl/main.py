@@ -109,9 +109,9 @@ def _run(config, plan, hooks) -> int:
             # thread counts.
             reward = config.worker.reward
             separate_rm = bool(reward.reward_model.model_path) and reward.reward_model.placement == "separate"
-            # The workers, the rollout servers (disaggregated), the training and validation reward actors, and a
-            # separate reward model's actor.
-            needed = plan.world_size + plan.rollout_servers + 2 * reward.num_cpus
+            # The workers, the rollout servers (disaggregated), the training reward actors and the validation
+            # one, and a separate reward model's actor.
+            needed = plan.world_size + plan.rollout_servers + (plan.reward_workers + 1) * reward.num_cpus
             needed += reward.reward_model.num_cpus if separate_rm else 0
             # address="local": a cluster of its own even when another one on this machine (ray start) is found.
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **options)

@@ -85,6 +85,21 @@ def kl_in_loss(config: Config) -> bool:
     return uses_reference(config) and config.algorithm.use_kl_loss
 
 
+def reward_workers(config: Config) -> int:
+    """The reward actors that score training batches: ``worker.reward.num_workers``, or when unset 1, and under
+    asynchronous training ``max_head_offpolicyness + 1``.
+
+    Asynchronous training launches a reward job as each generation call ends, and the calls of up to eta + 1
+    steps can be unscored at once (admitted ahead, or carried over); with fewer actors the later jobs queue
+    behind the earlier ones, since a Ray actor runs one call at a time.
+    """
+    n = config.worker.reward.num_workers
+    if n is not None:
+        return n
+    a = config.worker.rollout.async_rl
+    return max(1, a.max_head_offpolicyness + 1) if a.enable else 1
+
+
 def kl_in_reward(config: Config) -> bool:
     """The KL to the reference is a penalty folded into the rewards before the advantages (PPO)."""
     return uses_reference(config) and not config.algorithm.use_kl_loss
@@ -209,6 +224,9 @@ class Plan:
     rollout_servers: int = 0
     """Rollout servers apart from the trainer workers (asynchronous training, disaggregated); 0: every worker
     holds its own engine (colocated), and the training workers build none otherwise."""
+    reward_workers: int = 1
+    """Reward-manager actors scoring training batches (worker.reward.num_workers; unset: 1, and under asynchronous
+    training max_head_offpolicyness + 1, as the calls of that many steps can wait for rewards at once)."""
     proximal_loglinear: bool = False
     """worker.actor.proximal_log_probs=loglinear (with the decoupled loss): the update interpolates the proximal
     log-probs from the behaviour ones and its own forward, so no step runs an old-log-prob pass to train."""
@@ -295,6 +313,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         notes=_notes(config),
         tensor_parallel_size=rollout.tensor_parallel_size,
         rollout_servers=servers,
+        reward_workers=reward_workers(config),
         proximal_loglinear=actor.use_decoupled_loss and actor.proximal_log_probs == "loglinear",
     )
 

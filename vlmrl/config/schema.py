@@ -591,7 +591,9 @@ class RewardConfig:
     skip_special_tokens: bool = True
     """Responses reach the reward function decoded without special tokens."""
     num_cpus: int = 1
-    """CPUs reserved for each reward actor (one for training, one for validation); a sequential function is scored in this many processes in parallel."""
+    """CPUs reserved for each reward actor (num_workers for training, one for validation); a sequential function is scored in this many processes in parallel."""
+    num_workers: int | None = None
+    """vlmrl addition: reward actors that score training batches concurrently (each takes one call at a time); null: 1, and with worker.rollout.async_rl.enable max_head_offpolicyness + 1, one per step whose rewards can be outstanding at once."""
     timeout: float | None = 300.0
     """vlmrl addition: seconds one call of the reward function may take (one response for a sequential function, the step's whole batch for a batch function); null for no limit."""
     on_timeout: TimeoutPolicy = TimeoutPolicy.error

@@ -5,9 +5,10 @@ The unit is the GRPO prompt group. Each step:
 
 1. The step's prompts join the waiting queue, each with its group id (so its seed) fixed on arrival.
 2. Admission (``StalenessManager``, AReaL's rule): as many waiting groups as the bound allows start, by the
-   engines at the current version. Their rewards are launched as they come in, one job at a time (the reward
-   actor takes one call at a time; groups that come in while it scores go together in the next job). A
-   step's groups beyond the ones it trains are carried over. More prompts are drawn when the queue is short.
+   engines at the current version. Their rewards are launched as they come in, on a pool of reward actors
+   (``worker.reward.num_workers``, by default eta + 1), each taking one job at a time: jobs on different actors
+   overlap, and groups that come in while every actor is busy go together in the next job. A step's groups
+   beyond the ones it trains are carried over. More prompts are drawn when the queue is short.
 3. Consumption: the oldest admitted groups, in admission order (which is data order), never in the order
    they finish; a group waits for its rows and rewards if they are not in. At consumption each group is
    checked: its oldest generated token may be at most ``max_head_offpolicyness`` versions behind the weights
@@ -16,9 +17,9 @@ The unit is the GRPO prompt group. Each step:
 
 Colocated, the engine and the actor share each worker and take turns: admitted groups are generated in the
 calls the synchronous sampler makes (``data.mini_rollout_batch_size`` prompts), each scored in one job when it
-ends, and what overlaps the trainer is that scoring. With ``max_head_offpolicyness = 0`` a step admits exactly
-its own prompts, in the synchronous step's calls, and trains them at the version that sampled them: the
-synchronous run.
+ends, and what overlaps the trainer is that scoring (and, on a pool of reward actors, the jobs overlap one
+another). With ``max_head_offpolicyness = 0`` a step admits exactly its own prompts, in the synchronous step's
+calls, and trains them at the version that sampled them: the synchronous run.
 
 Disaggregated, each admitted group is one call to the rollout servers, all in flight at once while the
 trainer trains; a watcher thread collects each as it finishes and scores it, so rewards overlap the update
@@ -106,10 +107,8 @@ class AsyncRolloutSampler:
         self._lock = threading.RLock()
         """Guards the calls and the manager: the watcher (disaggregated) collects finished calls beside the step."""
         self._watch_error: BaseException | None = None
-        self._last_job: ScoringJob | None = None
-        """The newest reward job launched; while it runs, groups that finish wait to be scored together."""
         self.unscored: list[_Call] = []
-        """Generated, their rewards not launched yet: the reward actor (one call at a time) was busy."""
+        """Generated, their rewards not launched yet: every reward actor (one call at a time) was busy."""
         self._closed = threading.Event()
         if self.pool is not None:
             # A call the servers finish while the trainer trains is collected and its rewards launched at once,
@@ -237,10 +236,11 @@ class AsyncRolloutSampler:
     def _generate_here(self, part: list[_Group]) -> None:
         """Colocated: generate ``part`` on the workers' engines in one call and score its groups in one job.
 
-        The trainer waits for the call either way (it shares the workers), and the reward actor takes one job
+        The trainer waits for the call either way (it shares the workers), and a reward actor takes one job
         at a time: a job per group as each finished would make a reward that waits on I/O (a judge, a sandbox)
-        wait group after group, where one job waits for its slowest group once. With ``max_head_offpolicyness
-        = 0`` this is the synchronous step's schedule.
+        wait group after group on an actor, where one job waits for its slowest group once. The job goes to a
+        free actor of the pool, so it overlaps the jobs of earlier calls still scoring. With
+        ``max_head_offpolicyness = 0`` this is the synchronous step's schedule.
         """
         t0 = time.perf_counter()
         batch = self.workers.generate([g.prompt for g in part], [g.group_id for g in part], self.sampling)
@@ -258,20 +258,18 @@ class AsyncRolloutSampler:
         self.unscored.append(call)
 
     def _score(self, force: bool = False) -> None:
-        """Launch the rewards of the groups in and not yet scored, in one job, if the reward actor is free (or
-        ``force``); their groups then point at the merged call."""
+        """Launch the rewards of the groups in and not yet scored, in one job, if some reward actor is free (or
+        ``force``: then on the least loaded one); their groups then point at the merged call."""
         with self._lock:
             if not self.unscored:
                 return
-            last = self._last_job
-            if not (force or last is None or last.ref is None or _done(last.ref)):
+            if not (force or self.scorer.idle()):
                 return
             calls, self.unscored = self.unscored, []
             batch = calls[0].batch if len(calls) == 1 else Batch.concat([c.batch for c in calls])
             merged = _Call([g for c in calls for g in c.groups], batch, self.scorer.launch(batch))
             for g in merged.groups:
                 g.call = merged
-            self._last_job = merged.job
 
     def _poll(self, until: _Call | None = None) -> None:
         """Disaggregated: collect the calls the servers have finished and launch their rewards; with ``until``,
@@ -289,7 +287,7 @@ class AsyncRolloutSampler:
             self._score()
 
     def _watch(self) -> None:
-        """Disaggregated, on a thread: collect each call as the servers finish it and score it when the reward
+        """Disaggregated, on a thread: collect each call as the servers finish it and score it when a reward
         actor is free, so rewards run while the trainer trains. An error (a server died) is kept for the step."""
         while not self._closed.is_set():
             with self._lock:
@@ -361,11 +359,6 @@ class AsyncRolloutSampler:
         self.waiting = deque(_Group(int(g), self.prompt_by_row(int(row))) for row, g in state["pending"])
         self.admitted = deque()
         self.manager.enqueue(len(self.waiting))
-
-
-def _done(ref: ray.ObjectRef) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
 
 
 def _rows_of(call: _Call, group: _Group) -> torch.Tensor:

@@ -125,10 +125,14 @@ class Runner:
             timeout = config.trainer.start_timeout_s
             if reward.reward_model.model_path and reward.reward_model.placement is RewardModelPlacement.colocated:
                 workers = starting.result()  # they hold the reward model
-                scorers = start_scorers(reward, validation, reward_model_link(config, None, workers.workers), timeout)
+                scorers = start_scorers(
+                    reward, validation, reward_model_link(config, None, workers.workers), timeout, plan.reward_workers
+                )
             else:
                 # A reward function that cannot start fails the run before the workers are up.
-                scorers = start_scorers(reward, validation, reward_model_link(config, judge, None), timeout)
+                scorers = start_scorers(
+                    reward, validation, reward_model_link(config, judge, None), timeout, plan.reward_workers
+                )
                 workers = starting.result()
         except BaseException:
             # The run stops here; the group, once up, has nothing to rendezvous for.

@@ -3,11 +3,15 @@ into reward inputs, ask an actor for scores, and put them back on the batch.
 
 Scoring is split into ``launch`` and ``collect`` so the trainer can run the
 log-prob passes while the user's function works. Training and validation each
-have their own actor, so neither waits on the other's queue.
+have their own actors, so neither waits on the other's queue. A Ray actor runs
+one call at a time, so training has a pool of them (``worker.reward.num_workers``):
+asynchronous training launches a job per finished generation call, and those
+jobs overlap one another only on different actors.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -121,22 +125,65 @@ class ScoringJob:
 
 
 class Scorer:
-    """One reward-manager actor, seen from the driver."""
+    """A pool of reward-manager actors loaded with one function, seen from the driver as one.
 
-    def __init__(self, reward_manager: ray.actor.ActorHandle, spec: str):
-        self.reward_manager, self.spec = reward_manager, spec
+    ``launch`` sends each job to an actor with no job in flight, else to the one
+    with the fewest (the first of those). One actor scores jobs in the order
+    they are launched; several score them at once. Every actor loads the same
+    function with the same kwargs, so for a function deterministic per input a
+    row's scores do not depend on the actor that gave them.
+    """
 
-    def start(self) -> ray.ObjectRef:
-        return self.reward_manager.start.remote()
+    def __init__(self, reward_managers: list[ray.actor.ActorHandle], spec: str):
+        assert reward_managers, "a Scorer needs at least one reward-manager actor"
+        self.reward_managers, self.spec = list(reward_managers), spec
+        self._in_flight: list[list[ray.ObjectRef]] = [[] for _ in self.reward_managers]
+        """Per actor, the jobs launched on it not yet seen finished; pruned when an actor is chosen or asked for."""
+        self._lock = threading.Lock()
+        """Guards ``_in_flight``: the asynchronous sampler's watcher thread launches beside the step."""
+
+    @property
+    def reward_manager(self) -> ray.actor.ActorHandle:
+        """The first actor (the only one unless worker.reward.num_workers asks for more)."""
+        return self.reward_managers[0]
+
+    def start(self) -> list[ray.ObjectRef]:
+        """Each actor's start: its reward processes load the function."""
+        return [m.start.remote() for m in self.reward_managers]
+
+    def idle(self) -> bool:
+        """Whether some actor has no job in flight, so that a job launched now starts at once."""
+        with self._lock:
+            return min(self._loads()) == 0
 
     def launch(self, batch: Batch) -> ScoringJob:
         inputs = reward_inputs(batch)
         if not any(t.rollout_id for t in batch.trajectories):
-            return ScoringJob(self.reward_manager.compute.remote(inputs))
+            return ScoringJob(self._compute(inputs))
         # Agent rollouts: the function scores each rollout's last row, unless its agent returned the reward.
         rollouts = RolloutScoring.of(batch.trajectories)
         rows = rollouts.rows_to_score
-        return ScoringJob(self.reward_manager.compute.remote([inputs[i] for i in rows]) if rows else None, rollouts)
+        return ScoringJob(self._compute([inputs[i] for i in rows]) if rows else None, rollouts)
+
+    def _compute(self, inputs: list[dict]) -> ray.ObjectRef:
+        """One job on the least loaded actor."""
+        with self._lock:
+            loads = self._loads()
+            i = loads.index(min(loads))
+            ref = self.reward_managers[i].compute.remote(inputs)
+            self._in_flight[i].append(ref)
+        return ref
+
+    def _loads(self) -> list[int]:
+        """Jobs in flight per actor, after dropping those that have finished (the lock held)."""
+        refs = [r for jobs in self._in_flight for r in jobs]
+        if refs:
+            # fetch_local=False: only whether they finished; the results are fetched by ``collect``.
+            finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            if finished:
+                gone = set(finished)
+                self._in_flight = [[r for r in jobs if r not in gone] for jobs in self._in_flight]
+        return [len(jobs) for jobs in self._in_flight]
 
     def collect(self, job: ScoringJob, batch: Batch, prefix: str = "reward") -> Rewards:
         """The batch's token-level scores and per-sample sub-scores, with their means and the timeouts.
@@ -180,21 +227,28 @@ class Scorers:
 
 
 def start_scorers(
-    reward: RewardConfig, validation: bool, reward_model: ModelLink | None = None, timeout: float | None = None
+    reward: RewardConfig,
+    validation: bool,
+    reward_model: ModelLink | None = None,
+    timeout: float | None = None,
+    train_workers: int | None = None,
 ) -> Scorers:
-    """One reward-manager actor for training and, with ``validation``, one for validation, both loaded.
+    """``train_workers`` reward-manager actors for training and, with ``validation``, one for validation, all
+    loaded.
 
-    Waits until their reward processes have loaded the function, so that kwargs
-    that do not fit it fail now rather than at the first step. ``reward_model``
-    is how both reach a judge or score model, when one is configured. ``timeout``
-    (trainer.start_timeout_s) bounds the wait: an actor the cluster cannot place
-    would otherwise wait forever.
+    ``train_workers`` is ``Plan.reward_workers``; None takes ``reward.num_workers``, else 1 (the
+    RewardConfig alone does not say whether training is asynchronous). Waits until their reward processes
+    have loaded the function, so that kwargs that do not fit it fail now rather than at the first step.
+    ``reward_model`` is how they all reach a judge or score model, when one is configured. ``timeout``
+    (trainer.start_timeout_s) bounds the wait: an actor the cluster cannot place would otherwise wait forever.
     """
+    if train_workers is None:
+        train_workers = reward.num_workers or 1
     spec = reward_spec(reward.reward_function, reward.reward_model.model_path)
     cls = ray.remote(manager_class(spec, reward.reward_type))
 
-    def scorer() -> Scorer:
-        actor = cls.options(num_cpus=reward.num_cpus).remote(
+    def actor() -> ray.actor.ActorHandle:
+        return cls.options(num_cpus=reward.num_cpus).remote(
             spec,
             reward.reward_function_kwargs,
             num_cpus=reward.num_cpus,
@@ -203,18 +257,20 @@ def start_scorers(
             memory_limit_mb=reward.memory_limit_mb,
             reward_model=reward_model,
         )
-        return Scorer(actor, spec)
 
-    scorers = Scorers(train=scorer(), val=scorer() if validation else None)
-    started = [(s, s.start()) for s in (scorers.train, scorers.val) if s is not None]
+    train = Scorer([actor() for _ in range(train_workers)], spec)
+    scorers = Scorers(train=train, val=Scorer([actor()], spec) if validation else None)
+    started = [(s, ref) for s in (scorers.train, scorers.val) if s is not None for ref in s.start()]
     for s, ref in started:
         try:
             s.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             free = ray.available_resources().get("CPU", 0)
+            actors = f"{train_workers} for training (worker.reward.num_workers)"
+            actors += " and 1 for validation" if validation else ""
             raise RewardFunctionError(
                 f"the reward actors for {spec} did not start within trainer.start_timeout_s={timeout:g} s: each asks "
-                f"for worker.reward.num_cpus={reward.num_cpus} CPU(s) and the cluster has {free:g} free; lower "
-                "worker.reward.num_cpus, or give the cluster more CPUs"
+                f"for worker.reward.num_cpus={reward.num_cpus} CPU(s) and the cluster has {free:g} free; there are "
+                f"{actors}; lower worker.reward.num_cpus or worker.reward.num_workers, or give the cluster more CPUs"
             ) from None
     return scorers

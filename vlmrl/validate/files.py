@@ -130,6 +130,11 @@ def reward_problems(reward: RewardConfig) -> list[str]:
             problems.append(str(e))
     if reward.num_cpus < 1:
         problems.append(f"worker.reward.num_cpus={reward.num_cpus}: must be at least 1")
+    if reward.num_workers is not None and reward.num_workers < 1:
+        problems.append(
+            f"worker.reward.num_workers={reward.num_workers}: must be at least 1 (one reward actor scores one batch "
+            "at a time), or null for 1 (with async_rl, max_head_offpolicyness + 1)"
+        )
     if reward.timeout is not None and not reward.timeout > 0:
         problems.append(
             f"worker.reward.timeout={reward.timeout}: must be a positive number of seconds, or null for no limit"
