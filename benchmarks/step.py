@@ -18,7 +18,10 @@ after the other (never concurrently: the cores are shared), it measures
   (e) a raw copy of the state dict (the least a resync must do).
 
 (c)-(e) run in one process of their own, on sequences padded only to the
-longest real prompt of the batch. Each part runs in a subprocess whose peak
+longest real prompt of the batch. (a) and (c)-(e) run in ``--rounds`` paired
+rounds (raw, vlmrl, raw): each round's reference and update passes are divided
+by the raw passes timed just before and just after, and ``ref_vs_raw`` and
+``update_vs_raw`` are the means of the rounds' ratios. Each part runs in a subprocess whose peak
 resident memory (the whole process tree, Ray's workers included) is sampled.
 Results go to ``<out>/step.json`` and ``<out>/step.md``.
 
@@ -47,6 +50,11 @@ GOALS = {
     "padding_share": ("<=", 0.02),
     "rollout_efficiency": (">=", 0.95),
     "resync_share": ("<=", 0.01),
+    # Issue 17: each pass within 5 % of the same pass run raw, as the mean of the paired rounds (see main).
+    "ref_vs_raw": ("<=", 1.05),
+    "update_vs_raw": ("<=", 1.05),
+    # Only when TRL ran (the bench extra).
+    "vlmrl_over_trl_samples_per_s": (">=", 1.3),
 }
 FORMAT_PROMPT = "examples/format_prompt/colour.jinja"
 KL_COEF = 1e-3  # examples/quickstart.yaml's algorithm.kl_coef, also TRL's beta in benchmarks/trl_grpo.py
@@ -380,7 +388,45 @@ def part_hf(args, result_path: Path) -> None:
 # ------------------------------------------------------------- report
 
 
-def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = None) -> dict:
+def _mean_fields(dicts: list[dict]):
+    """Field-wise means of same-shaped results; what is not a number (a step log, a flag) is the first's."""
+    first = dicts[0]
+    if isinstance(first, dict):
+        return {k: _mean_fields([d[k] for d in dicts]) for k in first if all(k in d for d in dicts)}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.fmean(dicts)
+    return first
+
+
+def paired_rounds(rounds: list[dict]) -> list[dict]:
+    """Each round's vlmrl passes against the raw passes timed just before and just after it.
+
+    The machine's speed drifts over minutes (other jobs, thermal state), so a raw figure from another minute
+    says little about a 5 % gap: each round's ratio has its own raw figure, the mean of the one before and
+    the one after, and the headline is the mean of the rounds' ratios.
+    """
+    out = []
+    for r in rounds:
+        t = r["vlmrl"]["timing_s"]
+        raw_ref = statistics.fmean([r["hf_before"]["ref_s"], r["hf_after"]["ref_s"]])
+        raw_update = statistics.fmean([r["hf_before"]["update_s"], r["hf_after"]["update_s"]])
+        out.append(
+            {
+                "vlmrl_step_s": t["step"],
+                "vlmrl_ref_s": t.get("ref", 0.0),
+                "raw_ref_s": raw_ref,
+                "ref_vs_raw": t.get("ref", 0.0) / raw_ref,
+                "vlmrl_update_s": t.get("update_actor", 0.0),
+                "raw_update_s": raw_update,
+                "update_vs_raw": t.get("update_actor", 0.0) / raw_update,
+            }
+        )
+    return out
+
+
+def summarise(
+    args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = None, rounds: list[dict] | None = None
+) -> dict:
     t = a["timing_s"]
     step = t["step"]
     raw = b["gen_s"] + hf["old_s"] + hf["ref_s"] + hf["update_s"] + hf["copy_s"]
@@ -457,6 +503,16 @@ def summarise(args, a: dict, b: dict, hf: dict, rss: dict, trl: dict | None = No
         "peak_rss_mib": rss,
         "vlmrl_log": a["log"],
         **({**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]} if trl else {}),
+        # Issue 17's pass goals, from the paired rounds (mean of the rounds' ratios).
+        "rounds": rounds or [],
+        **(
+            {
+                "ref_vs_raw": statistics.fmean(r["ref_vs_raw"] for r in rounds),
+                "update_vs_raw": statistics.fmean(r["update_vs_raw"] for r in rounds),
+            }
+            if rounds
+            else {}
+        ),
         "goals": {k: f"{op} {v}" for k, (op, v) in GOALS.items()},
     }
 
@@ -480,6 +536,8 @@ def markdown(r: dict) -> str:
         "| --- | --- | --- | --- |",
     ]
     for k, goal in GOALS.items():
+        if k not in r:
+            continue  # TRL's ratio without TRL
         v = r[k]
         shown = f"{v:.1%}" if k.endswith("share") else f"{v:.3f}"
         lines.append(f"| {k} | {shown} | {goal[0]} {goal[1]} | {'yes' if meets(v, goal) else 'no'} |")
@@ -503,6 +561,19 @@ def markdown(r: dict) -> str:
     ]
     for k, v in r["phase_s_vlmrl_vs_raw"].items():
         lines.append(f"| {k} | {v['vlmrl']:.3f} | {v['raw']:.3f} |")
+    if r.get("rounds"):
+        lines += [
+            "",
+            "Paired rounds (raw HF passes just before and just after each vlmrl run; raw = their mean):",
+            "",
+            "| round | vlmrl step (s) | ref vlmrl / raw (s) | ref ratio | update vlmrl / raw (s) | update ratio |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for i, x in enumerate(r["rounds"], 1):
+            lines.append(
+                f"| {i} | {x['vlmrl_step_s']:.2f} | {x['vlmrl_ref_s']:.3f} / {x['raw_ref_s']:.3f} | "
+                f"{x['ref_vs_raw']:.3f} | {x['vlmrl_update_s']:.3f} / {x['raw_update_s']:.3f} | {x['update_vs_raw']:.3f} |"
+            )
     prof = r.get("vlmrl_gen_profile_s") or {}
     if prof:
         head = (
@@ -576,6 +647,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="vlmrl steps measured")
     ap.add_argument("--raw-warmup", type=int, default=1)
     ap.add_argument("--raw-reps", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="paired rounds: raw HF passes, a vlmrl run, raw HF passes again; the pass ratios are their mean",
+    )
     ap.add_argument("--smoke", action="store_true", help="2 prompts x 2 samples x 8 tokens, one step, no warm-up")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per part")
@@ -590,7 +667,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         args.prompts, args.n, args.response_length = 2, 2, 8
-        args.warmup, args.steps, args.raw_warmup, args.raw_reps = 0, 1, 0, 1
+        args.warmup, args.steps, args.raw_warmup, args.raw_reps, args.rounds = 0, 1, 0, 1, 1
     return args
 
 
@@ -622,16 +699,25 @@ def main(argv=None) -> dict | None:
 
     ensure_tiny_assets()  # built once, before anything is timed
     rss = {}
-    print("(a) vlmrl steps ...", flush=True)
-    a = run_vlmrl(args, work)
-    rss["vlmrl (driver + Ray + worker)"] = a["peak_rss_mib"]
-    parts = {}
-    for part in ("vllm", "hf"):
-        print(f"raw {part} ...", flush=True)
-        result = work / f"{part}.json"
+
+    def raw_part(part: str, tag: str) -> dict:
+        result = work / f"{part}-{tag}.json"
         cmd = [sys.executable, "-m", "benchmarks.step", f"--part={part}", f"--result={result}", *shape_flags(args)]
-        rss[f"raw {part}"] = run_part(cmd, work / f"{part}.log", args.timeout, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-        parts[part] = json.loads(result.read_text())
+        peak = run_part(cmd, work / f"{part}-{tag}.log", args.timeout, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        rss[f"raw {part}"] = max(rss.get(f"raw {part}", 0.0), peak)
+        return json.loads(result.read_text())
+
+    rounds = []
+    for i in range(args.rounds):
+        print(f"round {i + 1}/{args.rounds}: raw hf, (a) vlmrl steps, raw hf ...", flush=True)
+        before = raw_part("hf", f"{i}-before")
+        a = run_vlmrl(args, work)
+        rss["vlmrl (driver + Ray + worker)"] = max(rss.get("vlmrl (driver + Ray + worker)", 0.0), a["peak_rss_mib"])
+        rounds.append({"vlmrl": a, "hf_before": before, "hf_after": raw_part("hf", f"{i}-after")})
+    a = _mean_fields([r["vlmrl"] for r in rounds])
+    hf = _mean_fields([r[k] for r in rounds for k in ("hf_before", "hf_after")])
+    print("raw vllm ...", flush=True)
+    parts = {"vllm": raw_part("vllm", "0"), "hf": hf}
     trl = None
     want_trl = args.trl == "yes" or (args.trl == "auto" and not args.smoke and importlib.util.find_spec("trl"))
     if want_trl:
@@ -649,7 +735,7 @@ def main(argv=None) -> dict | None:
         ]
         rss["TRL GRPOTrainer"] = run_part(cmd, work / "trl.log", args.timeout)
         trl = json.loads(result.read_text())
-    report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl)
+    report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl, paired_rounds(rounds))
     shutil.rmtree(work, ignore_errors=True)
     name = "step_smoke" if args.smoke else "step"
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -33,6 +33,8 @@ FIELDS = (
     "overhead_same_passes",
     "padding_share_update",
     "padding_share_logprob",
+    "ref_vs_raw",
+    "update_vs_raw",
 )
 
 
@@ -63,3 +65,10 @@ def test_step_benchmark_smoke(tmp_path):
     for name in ("requests", "engine", "outputs", "trajectories", "driver_call"):
         assert math.isfinite(profile[name]) and profile[name] >= 0, name
     assert (tmp_path / "step_smoke.md").read_text().startswith("Shape:")
+    # The smoke runs one paired round: its ratios are the headline, against the mean of the raw passes
+    # timed before and after the vlmrl run.
+    (only,) = report["rounds"]
+    assert report["ref_vs_raw"] == only["ref_vs_raw"] == only["vlmrl_ref_s"] / only["raw_ref_s"]
+    assert report["update_vs_raw"] == only["update_vs_raw"] == only["vlmrl_update_s"] / only["raw_update_s"]
+    assert only["vlmrl_ref_s"] == report["vlmrl_timing_s"]["ref"]
+    assert "Paired rounds" in (tmp_path / "step_smoke.md").read_text()
