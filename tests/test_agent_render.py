@@ -134,6 +134,8 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: TURN_TEXTS[turn])
     loop = _loop(processor, config, engine, tools, parser=agent_tools.call_reveal, max_turns=turns)
+    # The observations' patch tokens come from the renderer's own expansion, which this test holds to the processor.
+    assert loop.renderer.expansion is not None, name
     (t, _), _ = loop.run(prompts, [7], _sampling(n=1)), None
     t = t[0]
     # The conversation as a user would write it for the chat template, tool images inline.

@@ -13,7 +13,13 @@ What follows a turn is rendered from the new messages alone and appended:
 
 Each piece comes in two forms: the ids vLLM gets (one placeholder per
 image, which the engine expands) and the ids the actor gets (the processor's
-expansion into patch tokens, with the pixel values and grids).
+expansion into patch tokens, with the pixel values and grids). For the Qwen
+processors the expansion is done here on the engine's ids, each placeholder
+repeated once per merged patch of its image's grid, as the processor does in
+text; only the images go through the image processor. The full processor
+call costs four times as much (it parses kwargs for every modality and
+tokenizes the text again), and a rollout renders an observation per
+trajectory per turn.
 
 Templates without tool support (Qwen2-VL and Qwen2.5-VL's, the tiny test
 models') get the tools as a system message (``vlmrl.data.chat``) and tool
@@ -64,8 +70,12 @@ class ConversationRenderer:
         self.resize = resize
         self.model_input_keys = model_input_keys
         self.end_of_turn = self._end_of_turn_separator()
+        self.base = self._render(_SYSTEM, add_generation_prompt=False)
+        """What the template writes for ``_SYSTEM`` alone: the prefix every rendering of new messages starts with."""
         generation = self._render(_SYSTEM, add_generation_prompt=True)
-        self.generation_prompt = generation[len(self._render(_SYSTEM, add_generation_prompt=False)) :]
+        self.generation_prompt = generation[len(self.base) :]
+        self.expansion = _PlaceholderExpansion.of(processor)
+        """Expands the engine's image placeholders into patch tokens without the processor; None: the processor."""
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         kwargs: dict[str, Any] = {}
@@ -108,27 +118,71 @@ class ConversationRenderer:
     def render(self, messages: list[dict], images: list[Any], *, after_turn: bool = True) -> Observation:
         """``messages`` (images as ``{"type": "image"}`` items, ``images`` in the same order) as the tokens
         that follow a model turn (``after_turn``) or the prompt, up to and including the next generation prompt."""
-        base = self._render(_SYSTEM, add_generation_prompt=False)
         full = self._render([*_SYSTEM, *messages], add_generation_prompt=True)
-        if not full.startswith(base):
+        if not full.startswith(self.base):
             raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
-        text = (self.end_of_turn if after_turn else "") + full[len(base) :]
+        text = (self.end_of_turn if after_turn else "") + full[len(self.base) :]
         images = [self.resize(image) for image in images]
         raw_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not images:
             return Observation(raw_ids, list(raw_ids), {}, [], text)
-        out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+        if self.expansion is not None:
+            ids, out = self.expansion.expand(raw_ids, images)
+        else:
+            out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+            ids = out["input_ids"][0].tolist()
         mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
-        return Observation(raw_ids, out["input_ids"][0].tolist(), mm_inputs, images, text)
+        return Observation(raw_ids, ids, mm_inputs, images, text)
 
 
     def conversation_text(self, messages: list[dict]) -> str:
         """The whole of ``messages`` as the template writes them after a prefix, with no generation prompt."""
-        base = self._render(_SYSTEM, add_generation_prompt=False)
         full = self._render([*_SYSTEM, *messages], add_generation_prompt=False)
-        if not full.startswith(base):
+        if not full.startswith(self.base):
             raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
-        return full[len(base) :]
+        return full[len(self.base) :]
+
+
+@dataclass(frozen=True)
+class _PlaceholderExpansion:
+    """The Qwen processors' image expansion, on token ids: each placeholder becomes ``t * h * w / merge**2`` of
+    itself, ``(t, h, w)`` being its image's grid from the image processor."""
+
+    image_processor: Any
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def of(cls, processor: Any) -> _PlaceholderExpansion | None:
+        """The expansion of ``processor``, or None when it is not a Qwen-style one (a tokenizer, another family)."""
+        image_processor = getattr(processor, "image_processor", None)
+        token = getattr(processor, "image_token", None)
+        merge = getattr(image_processor, "merge_size", None)
+        tokenizer = getattr(processor, "tokenizer", None)
+        if image_processor is None or not isinstance(token, str) or not isinstance(merge, int) or tokenizer is None:
+            return None
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            return None
+        return cls(image_processor, token_id, merge)
+
+    def expand(self, raw_ids: list[int], images: list[Any]) -> tuple[list[int], Any]:
+        """``(the actor's ids, the image processor's output)``; the placeholders must match the images."""
+        out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
+        counts = (out["image_grid_thw"].prod(dim=-1) // self.merge_size**2).tolist()
+        if raw_ids.count(self.image_token_id) != len(counts):
+            raise ValueError(
+                f"the rendered observation has {raw_ids.count(self.image_token_id)} image placeholder(s) for "
+                f"{len(counts)} image(s)"
+            )
+        ids: list[int] = []
+        images_left = iter(counts)
+        for token in raw_ids:
+            if token == self.image_token_id:
+                ids += [token] * next(images_left)
+            else:
+                ids.append(token)
+        return ids, out
 
 
 def _content(text: str, images: list[Any]) -> str | list[dict]:
