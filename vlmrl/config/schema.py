@@ -387,7 +387,8 @@ class MultiTurnConfig:
     """How tool calls are written: qwen (<tool_call>{json}</tool_call>, also called hermes), or a parser function
     path/to/file.py:function."""
     max_turns: int = 4
-    """Model turns per trajectory at most (verl: max_assistant_turns)."""
+    """Model turns per trajectory at most (verl: max_assistant_turns). Tool calls in the last one are not run
+    (their results would never be read; they are recorded as skipped); an environment still steps."""
     max_tokens_per_turn: int | None = None
     """Tokens one model turn may sample; null: what is left of data.max_response_length, the whole trajectory's
     budget after the prompt (model and tool tokens together)."""

@@ -6,7 +6,11 @@ of that turn at once (asyncio; sync tools in threads), then the observations
 are appended and the next turn starts. A trajectory ends when the model
 answers without a call ("done", or a tool or the environment says done),
 after ``max_turns`` model turns ("max_turns"), when its token budget is spent
-("length"), or when the environment fails ("error").
+("length"), or when the environment fails ("error"). Calls made in the last
+allowed turn are recorded as ``skipped`` and not run, as verl's agent loop
+does: nothing would read their results, and a slow tool would hold up the
+whole rollout for nothing. An environment still steps after the last turn,
+since its step is the only judge of that action.
 
 Each turn is its own engine request with n=1, seeded by (group, sample,
 turn): the first turn's seed is the one the single-turn path gives sample i
@@ -209,7 +213,7 @@ class AgentLoop:
                 else:
                     c.stop_reason = "length"
             start = time.perf_counter()
-            replies = asyncio.run(self._replies(answered, turn))
+            replies = asyncio.run(self._replies(answered, turn, last=turn + 1 >= self.limits.max_turns))
             timings["tools"] += time.perf_counter() - start
             start = time.perf_counter()
             active = [c for c, reply in zip(answered, replies) if self._answer(c, reply, turn)]
@@ -285,24 +289,26 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ replies
 
-    async def _replies(self, conversations: list[_Conversation], turn: int) -> list[_Reply]:
+    async def _replies(self, conversations: list[_Conversation], turn: int, *, last: bool) -> list[_Reply]:
         if self.env_class is not None:
             return await asyncio.gather(*(self._env_step(c) for c in conversations))
-        return await asyncio.gather(*(self._tool_reply(c, turn) for c in conversations))
+        return await asyncio.gather(*(self._tool_reply(c, turn, last) for c in conversations))
 
-    async def _tool_reply(self, c: _Conversation, turn: int) -> _Reply:
+    async def _tool_reply(self, c: _Conversation, turn: int, last: bool) -> _Reply:
         parsed = self.parser(c.last_text)
         if not parsed.calls and not parsed.errors:
             return _Reply(done=True)  # an answer, not a call
         context = ToolContext(row=c.row(), images=list(c.images), turn=turn, state=c.state, sample_id=c.sample_id)
-        limit = self.limits.max_parallel_calls
+        limit = 0 if last else self.limits.max_parallel_calls
         runs = [self.runner.call(call.name, call.arguments, context) for call in parsed.calls[:limit]]
         outcomes: list[CallOutcome] = list(await asyncio.gather(*runs))
+        why = (
+            f"not run: the trajectory reached multi_turn.max_turns={self.limits.max_turns}"
+            if last
+            else f"Error: at most {limit} tool calls per turn; this one was not run"
+        )
         for call in parsed.calls[limit:]:
-            outcomes.append(
-                CallOutcome(call.name, call.arguments, ToolStatus.skipped,
-                            ToolResult(text=f"Error: at most {limit} tool calls per turn; this one was not run"))
-            )  # fmt: skip
+            outcomes.append(CallOutcome(call.name, call.arguments, ToolStatus.skipped, ToolResult(text=why)))
         outcomes += [CallOutcome("", None, ToolStatus.parse_error, ToolResult(text=f"Error: {e}")) for e in parsed.errors]
         results, reply = [], _Reply()
         for outcome in outcomes:

@@ -49,7 +49,7 @@ class ToolStatus(str, Enum):
     """The tool raised, or returned something that is not a result."""
     timeout = "timeout"
     skipped = "skipped"
-    """More calls in one turn than multi_turn.max_parallel_calls."""
+    """Not run: more calls in one turn than multi_turn.max_parallel_calls, or a call in the last allowed turn."""
 
 
 @dataclass
