@@ -308,8 +308,8 @@ class VLLMEngine(Engine):
             # One output per request, when it has finished (with all n samples), as LLM.generate asks.
             output_kind=RequestOutputKind.FINAL_ONLY,
             # Made for this request alone, so vLLM need not deep-copy it: the copy walks allowed_token_ids, one
-            # object per token of the vocabulary (about 4 ms a request for the tiny model's 900; a 150k vocabulary
-            # costs more than its decoding).
+            # object per token of the vocabulary (measured: 0.5 ms a request for the tiny model's 900 ids, 71 ms
+            # for Qwen2.5-VL's 151,643, which an agent rollout of 768 requests would pay 54 s for).
             skip_clone=True,
         )
         # The prefix cache is keyed by the version: blocks computed by other weights are never reused.
