@@ -119,7 +119,10 @@ def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(e
     by_hand = {out.request_id: out for _, out in _step_until_idle(engine)}
     assert [by_hand[r.request_id] for r in requests] == outputs
 
-    # vLLM's blocking generate, with the same seeds (sample i of a request gets seed + i) and allowed tokens.
+    # vLLM's blocking generate, with the same seeds (sample i of a request gets seed + i) and allowed tokens. The
+    # engine bans the tiny model's 5 vision tokens by a -100 logit bias, not by the allowed list; the samples and
+    # log-probs must be the allowed list's to the bit.
+    assert set(engine.token_ban) == {"logit_bias"} and len(engine.token_ban["logit_bias"]) == 5
     params = [
         SamplingParams(
             n=r.sampling.n, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=r.sampling.ignore_eos,
