@@ -222,6 +222,8 @@ def run_vlmrl(args, work: Path) -> dict:
             "kl": r.get("actor/kl_loss"),
             "reward": r.get("reward/overall"),
             "loss": r.get("actor/pg_loss", 0.0) + KL_COEF * r.get("actor/kl_loss", 0.0),
+            # Each step's phases, warm-up included: whether a run slows down as it goes, or from its start.
+            "phase_s": {k: r.get(f"timing_s/{k}", 0.0) for k in ("step", "gen", "ref", "update_actor")},
         }
         for r in rows
     ]
@@ -419,6 +421,7 @@ def paired_rounds(rounds: list[dict]) -> list[dict]:
                 "vlmrl_update_s": t.get("update_actor", 0.0),
                 "raw_update_s": raw_update,
                 "update_vs_raw": t.get("update_actor", 0.0) / raw_update,
+                "vlmrl_phase_s_by_step": [x["phase_s"] for x in r["vlmrl"]["log"]],
             }
         )
     return out

@@ -71,4 +71,7 @@ def test_step_benchmark_smoke(tmp_path):
     assert report["ref_vs_raw"] == only["ref_vs_raw"] == only["vlmrl_ref_s"] / only["raw_ref_s"]
     assert report["update_vs_raw"] == only["update_vs_raw"] == only["vlmrl_update_s"] / only["raw_update_s"]
     assert only["vlmrl_ref_s"] == report["vlmrl_timing_s"]["ref"]
+    # Every step's phases are kept per round (the one step of the smoke is the mean), to see drift within a run.
+    (step,) = only["vlmrl_phase_s_by_step"]
+    assert step["ref"] == report["vlmrl_timing_s"]["ref"] and step["step"] > step["gen"] > 0
     assert "Paired rounds" in (tmp_path / "step_smoke.md").read_text()
