@@ -82,8 +82,12 @@ def test_the_rollouts_are_conversations_with_the_tools_pictures(uninterrupted):
     assert called, "the tuned start calls reveal on most prompts; no call was made"
     assert any(x["name"] == "reveal" and x["status"] == "ok" for c in called for x in c["tool_calls"])
     for c in called:
-        # A call the parser could not read has no name; one to a misspelt tool is unknown_tool, never run.
+        # A call the parser could not read has no name; one to a misspelt tool is unknown_tool, never run. A call
+        # in the last allowed turn (the second: examples/agent_quickstart.yaml's max_turns) is not run at all.
         for x in c["tool_calls"]:
+            if x["status"] == "skipped":
+                assert x["turn"] == 1 and x["name"], x
+                continue
             assert x["status"] == {"reveal": x["status"], "": "parse_error"}.get(x["name"], "unknown_tool")
     answered = [c for c in called if c["tool_calls"][0]["status"] == "ok" and c["num_turns"] == 2]
     assert answered, "no trajectory called reveal and then answered"

@@ -120,9 +120,10 @@ def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(e
     assert [by_hand[r.request_id] for r in requests] == outputs
 
     # vLLM's blocking generate, with the same seeds (sample i of a request gets seed + i) and allowed tokens. The
-    # engine bans the tiny model's 5 vision tokens by a -100 logit bias, not by the allowed list; the samples and
-    # log-probs must be the allowed list's to the bit.
-    assert set(engine.token_ban) == {"logit_bias"} and len(engine.token_ban["logit_bias"]) == 5
+    # engine's requests carry no allowed list: its own logits processor bans the tiny model's 5 vision tokens, and
+    # the samples and log-probs must be the allowed list's to the bit.
+    processors = engine.llm.llm_engine.model_config.logits_processors
+    assert [p.__name__ for p in processors] == ["BanTokens"]
     params = [
         SamplingParams(
             n=r.sampling.n, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=r.sampling.ignore_eos,

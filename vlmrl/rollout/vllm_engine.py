@@ -10,19 +10,18 @@ finishes (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does): vLLM then
 gathers the n samples of a request itself and returns them together.
 
 Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.sampling``).
-When fewer tokens are banned than allowed (always, for a real vocabulary: the
-vision tokens and the embedding's padding rows), the ban is a logit bias of
--100 on the banned ones rather than vLLM's ``allowed_token_ids``: vLLM builds
-an allowed-token mask row from the Python list for every sample it schedules
-(62 ms for Qwen2.5-VL's 151,643 ids, so 16 s for a step of 32 prompts x 8) and
-checks the list on every request (18 ms). The bias has a cost of its own: vLLM
-rebuilds the batch's bias index whenever a request joins or leaves (39 ms for
-256 requests x 421 banned ids), about 5 s at worst for 256 samples that all
-end at different steps. A logits processor of the engine's own that bans the
-same ids for every request would cost neither. A -100 bias leaves a banned token
-e^-100 of the probability it had, which no fp32 sum can see: the samples and
-log-probs are those of the exact ban (tests/test_engine.py checks both against
-``LLM.generate`` with ``allowed_token_ids``).
+The ban is a logits processor of the engine's own (``_ban_tokens``) that sets
+the banned ids' logits to -inf for every row of every step, where vLLM's
+``allowed_token_ids`` would mask them: the same -inf at the same places, so the
+samples and log-probs are the allowed list's to the bit (tests/test_engine.py
+checks both against ``LLM.generate`` with ``allowed_token_ids``). What the
+processor saves, for a real vocabulary (Qwen2.5-VL: 151,643 allowed ids, 421
+banned: the vision tokens and the embedding's padding rows), all measured here:
+vLLM builds a mask row from the allowed list for every sample it schedules
+(62 ms, so 16 s for a step of 32 prompts x 8), checks the list on every request
+(18 ms) and deep-copies it with the request's parameters (71 ms). A logit bias
+on the banned ids instead would cost a rebuild of the batch's bias index each
+time a request joins or leaves (39 ms for 256 requests).
 
 With ``free_cache_engine`` on GPU the engine sleeps between rollouts, as in
 EasyR1/verl: after each generate call ``sleep(level=1)`` drops the KV cache and
@@ -256,6 +255,8 @@ class VLLMEngine(Engine):
             # Generator does not use offset"), so on CPU prompts are prefilled whole.
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
+            # The tokens no response may contain, banned for every request (see the module docstring).
+            logits_processors=[_ban_tokens((~allowed_tokens).nonzero().flatten().tolist())],
             **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
             # Tensor parallelism in the workers' own processes (vLLM's "external launcher", as verl does it):
             # each worker of a group builds this engine on the process group the trainer set up, holds its
@@ -281,12 +282,7 @@ class VLLMEngine(Engine):
         logging.getLogger(_RELOAD_LOGGER).addFilter(_weightless_reload_warning)
         self.seed = seed
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
-        banned = (~allowed_tokens).nonzero().flatten().tolist()
-        self.token_ban: dict[str, Any] = (
-            {"logit_bias": dict.fromkeys(banned, -100.0)} if len(banned) < len(self.allowed_token_ids)
-            else {"allowed_token_ids": self.allowed_token_ids}
-        )  # fmt: skip
-        """The SamplingParams arguments that ban what ``allowed_tokens`` does not allow (see the module docstring)."""
+        """What a response may contain; the engine bans the rest itself (``_ban_tokens``)."""
         self.last_timings: dict[str, float] = {}
         self.requests: dict[str, EngineRequest] = {}
         """Every request added and neither finished nor aborted, by its id."""
@@ -321,14 +317,12 @@ class VLLMEngine(Engine):
             top_k=s.top_k,
             max_tokens=s.max_tokens,
             logprobs=0 if s.want_log_probs else None,
-            **self.token_ban,
             ignore_eos=s.ignore_eos,
             seed=s.seed,
             # One output per request, when it has finished (with all n samples), as LLM.generate asks.
             output_kind=RequestOutputKind.FINAL_ONLY,
-            # Made for this request alone, so vLLM need not deep-copy it: with allowed_token_ids the copy walks one
-            # object per allowed token (measured: 0.5 ms a request for the tiny model's 900 ids, 71 ms for
-            # Qwen2.5-VL's 151,643, which an agent rollout of 768 requests would pay 54 s for).
+            # Made for this request alone, so vLLM need not deep-copy it (0.5 ms a request for the tiny model's
+            # parameters when they carried the allowed list).
             skip_clone=True,
         )
         # The prefix cache is keyed by the version: blocks computed by other weights are never reused.
@@ -534,3 +528,30 @@ class VLLMEngine(Engine):
         if wanted:
             self.llm.wake_up(tags=sorted(wanted))
             self.freed -= wanted
+
+
+def _ban_tokens(banned: list[int]) -> type:
+    """A vLLM logits processor class that sets the logits of ``banned`` to -inf, for every request.
+
+    vLLM builds its logits processors itself, from classes; this one is made per engine so that it carries
+    the engine's ids. It changes the argmax, so vLLM applies it before greedy and random sampling alike, and
+    before the processed log-probs, as it applies ``allowed_token_ids``.
+    """
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class BanTokens(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory: bool):
+            self.banned = torch.tensor(banned, dtype=torch.long, device=device)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            pass  # the same ids for every request
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if self.banned.numel():
+                logits.index_fill_(1, self.banned, float("-inf"))
+            return logits
+
+    return BanTokens
