@@ -17,7 +17,7 @@ expansion into patch tokens, with the pixel values and grids). For the Qwen
 processors the expansion is done here on the engine's ids, each placeholder
 repeated once per merged patch of its image's grid, as the processor does in
 text; only the images go through the image processor. The full processor
-call costs four times as much (it parses kwargs for every modality and
+call costs nearly four times as much (it parses kwargs for every modality and
 tokenizes the text again), and a rollout renders an observation per
 trajectory per turn.
 
