@@ -213,7 +213,7 @@ class AgentLoop:
                 else:
                     c.stop_reason = "length"
             start = time.perf_counter()
-            replies = asyncio.run(self._replies(answered, turn, last=turn + 1 >= self.limits.max_turns))
+            replies = asyncio.run(self._replies(answered, turn))
             timings["tools"] += time.perf_counter() - start
             start = time.perf_counter()
             active = [c for c, reply in zip(answered, replies) if self._answer(c, reply, turn)]
@@ -289,16 +289,17 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ replies
 
-    async def _replies(self, conversations: list[_Conversation], turn: int, *, last: bool) -> list[_Reply]:
+    async def _replies(self, conversations: list[_Conversation], turn: int) -> list[_Reply]:
         if self.env_class is not None:
             return await asyncio.gather(*(self._env_step(c) for c in conversations))
-        return await asyncio.gather(*(self._tool_reply(c, turn, last) for c in conversations))
+        return await asyncio.gather(*(self._tool_reply(c, turn) for c in conversations))
 
-    async def _tool_reply(self, c: _Conversation, turn: int, last: bool) -> _Reply:
+    async def _tool_reply(self, c: _Conversation, turn: int) -> _Reply:
         parsed = self.parser(c.last_text)
         if not parsed.calls and not parsed.errors:
             return _Reply(done=True)  # an answer, not a call
         context = ToolContext(row=c.row(), images=list(c.images), turn=turn, state=c.state, sample_id=c.sample_id)
+        last = turn + 1 >= self.limits.max_turns  # no turn follows to read the results: nothing is run
         limit = 0 if last else self.limits.max_parallel_calls
         runs = [self.runner.call(call.name, call.arguments, context) for call in parsed.calls[:limit]]
         outcomes: list[CallOutcome] = list(await asyncio.gather(*runs))
