@@ -97,12 +97,17 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
         **_stats("agent/turns", torch.tensor([t.num_turns for t in trajectories])),
         "agent/tool_calls/mean": len(calls) / n,
         "agent/images/mean": sum(len(t.media) - t.prompt_media for t in trajectories) / n,
-        "agent/render_mismatch_rate": sum(t.render_mismatch for t in trajectories) / n,
     }
+    checked = [t.render_mismatch for t in trajectories if t.render_mismatch is not None]
+    if checked:
+        metrics["agent/render_mismatch_rate"] = sum(checked) / len(checked)
     for reason in ("done", "max_turns", "length", "error"):
         metrics[f"agent/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
-    for name in sorted({c["name"] for c in calls if c["name"]}):
-        metrics[f"agent/tool_calls/{name}"] = sum(c["name"] == name for c in calls) / n
+    # By tool: the configured tools by name; names the model made up are counted together, so that a policy
+    # that misspells a call does not add a metric key per spelling ("not-a-tool" cannot be a function's name).
+    named = [c["name"] if c["status"] != "unknown_tool" else "not-a-tool" for c in calls if c["name"]]
+    for name in sorted(set(named)):
+        metrics[f"agent/tool_calls/{name}"] = named.count(name) / n
     if calls:
         for status, key in (("ok", "success_rate"), ("parse_error", "parse_error_rate"), ("timeout", "timeout_rate")):
             metrics[f"agent/tool/{key}"] = sum(c["status"] == status for c in calls) / len(calls)

@@ -88,8 +88,9 @@ class Trajectory:
     """Multi-turn: why the trajectory ended: done, max_turns, length or error."""
     prompt_media: int = -1
     """How many of ``media`` are the prompt's (the rest came from tools or the environment); -1: all of them."""
-    render_mismatch: bool = False
-    """Multi-turn: the token ids differ from a full re-render of the conversation by the chat template."""
+    render_mismatch: bool | None = False
+    """Multi-turn: the token ids differ from a full re-render of the conversation by the chat template; None: not
+    checked (the agent loop checks the first trajectory of each group)."""
     agent_reward: float | None = None
     """The reward an external agent (``worker.rollout.agent``) returned for this row's rollout; None: the reward
     function scores the rollout's last row."""

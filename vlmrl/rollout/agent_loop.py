@@ -438,7 +438,10 @@ class AgentLoop:
             tool_calls=c.calls,
             stop_reason=c.stop_reason,
             prompt_media=len(c.prompt.images) + len(c.prompt.videos),
-            render_mismatch=self._mismatch(c),
+            # One re-render per group (its first trajectory): the re-render and re-tokenisation of a whole
+            # conversation cost about as much as rendering all of its observations, and the rate over the
+            # first trajectories estimates the rate over all of them.
+            render_mismatch=self._mismatch(c) if c.index == 0 else None,
         )
 
     def _mismatch(self, c: _Conversation) -> bool:
