@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoProcessor
 
 from helpers import agent_tools
@@ -166,6 +167,28 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
     assert (t.mm_inputs["pixel_values"] == expected["pixel_values"]).all()
     # Positions are the family's own function over the whole sequence.
     assert (t.position_ids == MRope.from_config(config).positions(t.token_ids, dict(expected))).all()
+
+
+def test_a_repeated_observation_renders_as_the_first_without_the_template(tiny, monkeypatch):
+    processor, config = tiny
+    loop = _loop(processor, config, ScriptedEngine(processor.tokenizer, lambda r, turn: ""), [], parser=agent_tools.call_reveal)
+    renderer = loop.renderer
+    messages = renderer.tool_messages([("picture 0", [agent_tools.card(0)])])
+    first = renderer.render(messages, [agent_tools.card(0)])
+    prompt_side = renderer.render(messages, [agent_tools.card(0)], after_turn=False)
+    calls = []
+    template = processor.apply_chat_template
+    monkeypatch.setattr(processor, "apply_chat_template", lambda *a, **k: calls.append(1) or template(*a, **k))
+    again = renderer.render(messages, [agent_tools.card(0)])
+    assert calls == []  # the text and its ids came from the renderer's cache
+    assert (again.text, again.raw_ids, again.ids) == (first.text, first.raw_ids, first.ids)
+    assert torch.equal(again.mm_inputs["pixel_values"], first.mm_inputs["pixel_values"])
+    again.raw_ids.append(-1)  # a caller's list is its own: the cached ids do not change
+    assert renderer.render(messages, [agent_tools.card(0)]).raw_ids == first.raw_ids
+    # After the prompt there is no end-of-turn separator: a key of its own, not the after-turn text.
+    assert prompt_side.text == first.text[len(renderer.end_of_turn) :] and renderer.end_of_turn
+    other = renderer.render(renderer.tool_messages([("picture 1", [agent_tools.card(1)])]), [agent_tools.card(1)])
+    assert calls and "picture 1" in other.text
 
 
 def test_a_template_that_is_not_append_only_is_reported_as_a_mismatch(tiny_assets, family):

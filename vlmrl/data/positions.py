@@ -22,6 +22,7 @@ match" error the model would otherwise raise mid-step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -90,15 +91,25 @@ class MRope:
                 used[token] += 1
                 if t * h * w != j - i:
                     raise ValueError(f"a run of {j - i} {kind} tokens where the {kind}'s grid gives {t * h * w}")
-                grid_t, grid_h, grid_w = torch.meshgrid(
-                    torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"
-                )
-                block = torch.stack([(grid_t * scale).long(), grid_h, grid_w]).reshape(3, -1) + next_pos
-                out[:, i:j] = block
-                next_pos = int(block.max()) + 1
+                block, extent = _grid_block(t, h, w, scale)
+                out[:, i:j] = block + next_pos
+                next_pos += extent
             i = j
         for token, runs in expected.items():
             if used[token] != len(runs):
                 kind = "image" if token == self.image_token_id else "video"
                 raise ValueError(f"{len(runs)} {kind} grids but {used[token]} runs of {kind} tokens in the prompt")
         return out
+
+
+@lru_cache(maxsize=256)
+def _grid_block(t: int, h: int, w: int, scale: float) -> tuple[torch.Tensor, int]:
+    """The (3, t*h*w) positions of a media run starting at 0, and how far the next text starts after it.
+
+    Cached: a rollout's images mostly share a few grids, and building the block is most of the cost of an
+    agent trajectory's positions (each observation adds an image). Callers add their offset into a new tensor,
+    so the cached block is never written.
+    """
+    grid_t, grid_h, grid_w = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    block = torch.stack([(grid_t * scale).long(), grid_h, grid_w]).reshape(3, -1)
+    return block, int(block.max()) + 1

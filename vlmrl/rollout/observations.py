@@ -29,6 +29,7 @@ text template renders for a tool message.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 _SYSTEM = [{"role": "system", "content": "S"}]
+_TEXT_CACHE = 4096
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ConversationRenderer:
         """What the template writes for ``_SYSTEM`` alone: the prefix every rendering of new messages starts with."""
         generation = self._render(_SYSTEM, add_generation_prompt=True)
         self.generation_prompt = generation[len(self.base) :]
+        self._texts: dict[tuple[str, bool], tuple[str, tuple[int, ...]]] = {}
         self.expansion = _PlaceholderExpansion.of(processor)
         """Expands the engine's image placeholders into patch tokens without the processor; None: the processor."""
 
@@ -118,12 +121,8 @@ class ConversationRenderer:
     def render(self, messages: list[dict], images: list[Any], *, after_turn: bool = True) -> Observation:
         """``messages`` (images as ``{"type": "image"}`` items, ``images`` in the same order) as the tokens
         that follow a model turn (``after_turn``) or the prompt, up to and including the next generation prompt."""
-        full = self._render([*_SYSTEM, *messages], add_generation_prompt=True)
-        if not full.startswith(self.base):
-            raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
-        text = (self.end_of_turn if after_turn else "") + full[len(self.base) :]
+        text, raw_ids = self._text(messages, after_turn)
         images = [self.resize(image) for image in images]
-        raw_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not images:
             return Observation(raw_ids, list(raw_ids), {}, [], text)
         if self.expansion is not None:
@@ -134,6 +133,30 @@ class ConversationRenderer:
         mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
         return Observation(raw_ids, ids, mm_inputs, images, text)
 
+
+    def _text(self, messages: list[dict], after_turn: bool) -> tuple[str, list[int]]:
+        """The text of ``messages`` after a turn or the prompt, and its ids for the engine.
+
+        Kept for messages seen before (up to ``_TEXT_CACHE`` of them): tool results repeat (the same picture's
+        caption, the same error), and the template and the tokenizer cost about a third of an observation.
+        """
+        try:
+            key = (json.dumps(messages, sort_keys=True), after_turn)
+        except (TypeError, ValueError):  # content the template may take but JSON cannot: render it every time
+            key = None
+        hit = self._texts.get(key) if key is not None else None
+        if hit is not None:
+            return hit[0], list(hit[1])
+        full = self._render([*_SYSTEM, *messages], add_generation_prompt=True)
+        if not full.startswith(self.base):
+            raise ValueError("the chat template does not render a conversation as its prefix plus the new messages")
+        text = (self.end_of_turn if after_turn else "") + full[len(self.base) :]
+        raw_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if key is not None:
+            if len(self._texts) >= _TEXT_CACHE:
+                self._texts.clear()
+            self._texts[key] = (text, tuple(raw_ids))
+        return text, raw_ids
 
     def conversation_text(self, messages: list[dict]) -> str:
         """The whole of ``messages`` as the template writes them after a prefix, with no generation prompt."""
