@@ -86,15 +86,15 @@ def test_agent_metrics():
     assert "[assistant] look\n[user] [image]x\n[assistant] red" == conversation_text(batch.trajectories[0])
 
 
-def test_made_up_tool_names_share_one_metric_and_the_mismatch_rate_is_over_checked_trajectories():
+def test_made_up_tool_names_are_a_rate_not_metric_keys_and_the_mismatch_rate_is_over_checked_trajectories():
     batch = _batch()
     a, b = batch.trajectories
     # The model misspelt its call twice in b: both are counted under one key, not one key per spelling.
     b.tool_calls = [{"name": "zom", "status": "unknown_tool", "turn": 0}, {"name": "zooom", "status": "unknown_tool", "turn": 0}]
     a.render_mismatch, b.render_mismatch = True, None  # the loop checks the first trajectory of each group only
     m = agent_metrics(batch)
-    assert m["agent/tool_calls/zoom"] == 0.5 and m["agent/tool_calls/not-a-tool"] == 1.0
-    assert not [k for k in m if k.startswith("agent/tool_calls/zo") and k != "agent/tool_calls/zoom"]
+    assert m["agent/tool_calls/zoom"] == 0.5 and m["agent/tool/unknown_tool_rate"] == 2 / 3
+    assert [k for k in m if k.startswith("agent/tool_calls/") and k != "agent/tool_calls/mean"] == ["agent/tool_calls/zoom"]
     assert m["agent/render_mismatch_rate"] == 1.0  # 1 of 1 checked, not 1 of 2
     a.render_mismatch = None
     assert "agent/render_mismatch_rate" not in agent_metrics(batch)

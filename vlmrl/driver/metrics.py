@@ -103,13 +103,14 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
         metrics["agent/render_mismatch_rate"] = sum(checked) / len(checked)
     for reason in ("done", "max_turns", "length", "error"):
         metrics[f"agent/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
-    # By tool: the configured tools by name; names the model made up are counted together, so that a policy
-    # that misspells a call does not add a metric key per spelling ("not-a-tool" cannot be a function's name).
-    named = [c["name"] if c["status"] != "unknown_tool" else "not-a-tool" for c in calls if c["name"]]
+    # By tool: the configured tools only. A name the model made up is a call with status unknown_tool (its rate
+    # below), not a metric key per spelling.
+    named = [c["name"] for c in calls if c["name"] and c["status"] != "unknown_tool"]
     for name in sorted(set(named)):
         metrics[f"agent/tool_calls/{name}"] = named.count(name) / n
     if calls:
-        for status, key in (("ok", "success_rate"), ("parse_error", "parse_error_rate"), ("timeout", "timeout_rate")):
+        for status, key in (("ok", "success_rate"), ("parse_error", "parse_error_rate"), ("timeout", "timeout_rate"),
+                            ("unknown_tool", "unknown_tool_rate")):  # fmt: skip
             metrics[f"agent/tool/{key}"] = sum(c["status"] == status for c in calls) / len(calls)
         seconds = torch.tensor([c.get("seconds", 0.0) for c in calls], dtype=torch.float64)
         metrics["agent/tool/latency_p50_s"] = seconds.quantile(0.5).item()
