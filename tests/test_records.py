@@ -140,3 +140,33 @@ def test_the_worker_group_sends_a_row_once_and_again_when_another_trajectory_tak
                         max_prompt_length=2, max_response_length=1, pad_token_id=PAD)  # fmt: skip
     (third,), _ = group.scatter(replaced)
     assert [t.completion_ids for t in third.new_rows] == [[4]]
+
+
+def test_records_pickle_their_tensors_as_byte_arrays_and_come_back_equal_and_writable():
+    import pickle
+
+    import numpy as np
+
+    p = prompt(3, [11, 12, 13])
+    pixels = torch.randn(8, 6)[:, ::2]  # not contiguous
+    p.mm_inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2]]),
+                   "half": torch.randn(4, 3).to(torch.bfloat16), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 5)}  # fmt: skip
+    t = Trajectory.single_turn(p, 1, 0, [21, 22], "ab", 1.0, [-0.5, -0.25], version=1)
+    for record in (p, t):
+        buffers = []
+        blob = pickle.dumps(record, protocol=5, buffer_callback=buffers.append)
+        # Through Ray the pixels travel out of band (no copy), and may come back as read-only memory.
+        assert buffers, "the tensors were pickled in band: the byte-array path is not taken"
+        assert b"torch._utils" not in blob and b"_rebuild_tensor" not in blob
+        back = pickle.loads(blob, buffers=[memoryview(b).toreadonly() for b in buffers])
+        for key, value in record.mm_inputs.items():
+            got = back.mm_inputs[key]
+            assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
+            got.add_(1) if got.numel() and got.dtype != torch.long else None  # its own, writable memory
+        assert torch.equal(back.position_ids, record.position_ids) and back.position_ids.dtype == torch.long
+        back.position_ids.add_(1)
+        assert back.token_ids == record.token_ids if isinstance(record, Trajectory) else back.input_ids == record.input_ids
+    # Older protocols (pipes, deepcopy) still round-trip.
+    again = pickle.loads(pickle.dumps(t, protocol=2))
+    assert torch.equal(again.mm_inputs["pixel_values"], pixels) and isinstance(again.mm_inputs["pixel_values"], torch.Tensor)
+    assert not isinstance(again.mm_inputs["pixel_values"], np.ndarray)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from vlmrl.records.shipping import pack_state, unpack_state
+
 
 @dataclass
 class PromptSample:
@@ -52,3 +54,10 @@ class PromptSample:
         if self.videos:
             data["video"] = [video.for_vllm() for video in self.videos]
         return data
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its tensors as byte arrays (``vlmrl.records.shipping``): much faster through Ray."""
+        return pack_state(self.__dict__, ("position_ids",), ("mm_inputs",))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_state(state, ("position_ids",), ("mm_inputs",)))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vlmrl.records.prompt import PromptSample
+from vlmrl.records.shipping import pack_state, unpack_state
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,13 @@ class Trajectory:
     def media_are_the_prompts(self) -> bool:
         """Whether its media are exactly its prompt's, which the driver holds (not an agent's or a tool's)."""
         return self.prompt_media != 0 and not self.has_own_media
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its tensors as byte arrays (``vlmrl.records.shipping``): much faster through Ray."""
+        return pack_state(self.__dict__, ("position_ids",), ("mm_inputs",))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_state(state, ("position_ids",), ("mm_inputs",)))
 
     def slim(self) -> Trajectory:
         """The same record without pixels or media payloads (their kinds and offsets stay): what a worker
