@@ -153,6 +153,7 @@ def test_records_pickle_their_tensors_as_byte_arrays_and_come_back_equal_and_wri
                    "half": torch.randn(4, 3).to(torch.bfloat16), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 5)}  # fmt: skip
     t = Trajectory.single_turn(p, 1, 0, [21, 22], "ab", 1.0, [-0.5, -0.25], version=1)
     for record in (p, t):
+        before = {k: v.clone() for k, v in record.mm_inputs.items()}
         buffers = []
         blob = pickle.dumps(record, protocol=5, buffer_callback=buffers.append)
         # Through Ray the pixels travel out of band (no copy), and may come back as read-only memory.
@@ -162,11 +163,27 @@ def test_records_pickle_their_tensors_as_byte_arrays_and_come_back_equal_and_wri
         for key, value in record.mm_inputs.items():
             got = back.mm_inputs[key]
             assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
-            got.add_(1) if got.numel() and got.dtype != torch.long else None  # its own, writable memory
+            got.add_(1)  # its own, writable memory: the sender's tensor (whose bytes were the buffer) is untouched
+            assert torch.equal(value, before[key]), key
         assert torch.equal(back.position_ids, record.position_ids) and back.position_ids.dtype == torch.long
         back.position_ids.add_(1)
-        assert back.token_ids == record.token_ids if isinstance(record, Trajectory) else back.input_ids == record.input_ids
+        assert back.input_ids == record.input_ids if isinstance(record, PromptSample) else back.token_ids == record.token_ids
     # Older protocols (pipes, deepcopy) still round-trip.
     again = pickle.loads(pickle.dumps(t, protocol=2))
     assert torch.equal(again.mm_inputs["pixel_values"], pixels) and isinstance(again.mm_inputs["pixel_values"], torch.Tensor)
     assert not isinstance(again.mm_inputs["pixel_values"], np.ndarray)
+
+
+def test_an_unpacked_tensor_owns_its_memory_when_the_bytes_came_read_only():
+    import numpy as np
+
+    from vlmrl.records.shipping import PackedTensor, unpack
+
+    # What Ray may hand back: a read-only view of its object store. Writing into it must not be possible or
+    # visible there; the tensor gets a copy.
+    data = np.arange(12, dtype=np.uint8)
+    data.flags.writeable = False
+    out = unpack(PackedTensor(torch.int32, (3,), data))
+    assert out.dtype == torch.int32 and out.shape == (3,)
+    out.add_(1)
+    assert data.tolist() == list(range(12))

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from vlmrl.records.shipping import pack_state, unpack_state
+from vlmrl.records.shipping import ShipsTensors
 
 
 @dataclass
-class PromptSample:
+class PromptSample(ShipsTensors):
     """One dataset row, ready for both the rollout and the actor."""
 
     index: int
@@ -54,10 +54,3 @@ class PromptSample:
         if self.videos:
             data["video"] = [video.for_vllm() for video in self.videos]
         return data
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled with its tensors as byte arrays (``vlmrl.records.shipping``): much faster through Ray."""
-        return pack_state(self.__dict__, ("position_ids",), ("mm_inputs",))
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(unpack_state(state, ("position_ids",), ("mm_inputs",)))

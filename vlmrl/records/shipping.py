@@ -3,8 +3,9 @@
 Rows cross process boundaries on every step (the prompts to the engines, the trajectories back to the driver,
 rows to a worker that does not hold them), and their pixel values are most of their bytes. Ray's put and get
 of 256 agent-like trajectories (92 MB of pixel values) took 0.54 s with the tensors pickled by torch and 0.16 s
-as numpy byte arrays, which pickle protocol 5 hands over without copying (medians of 5, one process, 2 cores). On arrival each array is copied into a tensor of its own: an array Ray hands back may be read-only
-memory of the object store, and the records' tensors are written to in place by their users.
+as numpy byte arrays, which pickle protocol 5 hands over without copying (medians of 5, one process, 2 cores).
+On arrival each array is copied into a tensor of its own: an array Ray hands back may be read-only memory of the
+object store, and the records' tensors are written to in place by their users.
 """
 
 from __future__ import annotations
@@ -48,20 +49,19 @@ def unpack(value: Any) -> Any:
     return torch.from_numpy(value.data.copy()).view(value.dtype).reshape(value.shape)
 
 
-def pack_state(state: dict[str, Any], tensors: tuple[str, ...], tensor_dicts: tuple[str, ...]) -> dict[str, Any]:
-    """A record's ``__dict__`` with its tensor fields and its dicts of tensors packed."""
-    state = dict(state)
-    for name in tensors:
-        state[name] = pack(state[name])
-    for name in tensor_dicts:
-        state[name] = {k: pack(v) for k, v in state[name].items()}
-    return state
+class ShipsTensors:
+    """Mixed into a record: pickled with ``position_ids`` and the tensors of ``mm_inputs`` packed."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _packed_fields(self.__dict__, pack)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(_packed_fields(state, unpack))
 
 
-def unpack_state(state: dict[str, Any], tensors: tuple[str, ...], tensor_dicts: tuple[str, ...]) -> dict[str, Any]:
+def _packed_fields(state: dict[str, Any], convert) -> dict[str, Any]:
+    """``state`` with ``convert`` applied to ``position_ids`` and to each value of ``mm_inputs``."""
     state = dict(state)
-    for name in tensors:
-        state[name] = unpack(state[name])
-    for name in tensor_dicts:
-        state[name] = {k: unpack(v) for k, v in state[name].items()}
+    state["position_ids"] = convert(state["position_ids"])
+    state["mm_inputs"] = {k: convert(v) for k, v in state["mm_inputs"].items()}
     return state

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vlmrl.records.prompt import PromptSample
-from vlmrl.records.shipping import pack_state, unpack_state
+from vlmrl.records.shipping import ShipsTensors
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Media:
 
 
 @dataclass
-class Trajectory:
+class Trajectory(ShipsTensors):
     token_ids: list[int]
     """Every token of the sequence, in order: the prompt (media placeholders expanded), then the turns."""
     prompt_length: int
@@ -139,13 +139,6 @@ class Trajectory:
     def media_are_the_prompts(self) -> bool:
         """Whether its media are exactly its prompt's, which the driver holds (not an agent's or a tool's)."""
         return self.prompt_media != 0 and not self.has_own_media
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled with its tensors as byte arrays (``vlmrl.records.shipping``): much faster through Ray."""
-        return pack_state(self.__dict__, ("position_ids",), ("mm_inputs",))
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(unpack_state(state, ("position_ids",), ("mm_inputs",)))
 
     def slim(self) -> Trajectory:
         """The same record without pixels or media payloads (their kinds and offsets stay): what a worker

@@ -133,7 +133,6 @@ class ConversationRenderer:
         mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
         return Observation(raw_ids, ids, mm_inputs, images, text)
 
-
     def _text(self, messages: list[dict], after_turn: bool) -> tuple[str, list[int]]:
         """The text of ``messages`` after a turn or the prompt, and its ids for the engine.
 

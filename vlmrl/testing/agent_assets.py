@@ -147,11 +147,11 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        # Constant, then down to LR / (steps - hold) over the last third: each step's noise moves the
+        # after-tool colour shares; decayed, the start ends near the average of its steps, every colour
+        # about a quarter (constant to the end, one colour had 0.39 and another 0.15).
+        hold = int(steps * 2 / 3)
         for step in range(steps):
-            # Constant, then down to LR / (steps - hold) over the last third: each step's noise moves the
-            # after-tool colour shares; decayed, the start ends near the average of its steps, every colour
-            # about a quarter (constant to the end, one colour had 0.39 and another 0.15).
-            hold = int(steps * 2 / 3)
             for group in optimizer.param_groups:
                 group["lr"] = LR * min(1.0, (steps - step) / (steps - hold))
             texts, images, targets = [], [], []
