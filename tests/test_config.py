@@ -156,6 +156,15 @@ def test_the_config_package_loads_without_the_layers_above_it():
     assert leaked == []
 
 
+def test_the_driver_process_names_the_runner_without_importing_its_stack():
+    # The driver imports vlmrl.driver.runner only to name the Ray actor class; the step loop, the worker group
+    # and the data (transformers and its image processors, about 8 s of CPU on every launch) load in the
+    # Runner's own process, inside Runner.run.
+    loaded = _modules_after("import vlmrl.main; from vlmrl.driver.runner import Runner")
+    stack = {"transformers", "vlmrl.driver.loop", "vlmrl.workers.group", "vlmrl.data.dataset", "vllm"}
+    assert sorted(stack & loaded) == []
+
+
 def test_the_config_package_exports_every_public_name_of_its_modules():
     import vlmrl.config
     from vlmrl.config import errors, help, loading, options, schema

@@ -21,18 +21,13 @@ from typing import TYPE_CHECKING
 from vlmrl.config import Config, RewardModelPlacement, to_dict
 from vlmrl.driver.console import ConsoleFeed, Progress
 from vlmrl.plan import Plan, describe
-from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
-from vlmrl.driver.hooks import RunHooks
-from vlmrl.driver.loop import TrainingLoop, planned_steps
-from vlmrl.driver.resume import check_resume
-from vlmrl.driver.reward_model import reward_model_link, start_reward_model
-from vlmrl.driver.scoring import start_scorers
-from vlmrl.loggers.tracking import RunInfo, Tracker
-from vlmrl.rollout.tools import load_tools
-from vlmrl.workers.group import WorkerGroup
 
+# The rest (the step loop, the worker group, the data: torch, transformers and the image processors, about
+# 8 s of CPU) is imported inside ``run``: the driver process imports this module only to name the actor
+# class, and should not pay for what only the actor uses.
 if TYPE_CHECKING:
     from vlmrl.data.dataset import RLHFDataset
+    from vlmrl.driver.hooks import RunHooks
 
 
 def _dataset(config: Config, files: str, processor) -> RLHFDataset:
@@ -73,6 +68,8 @@ def tool_schemas(config: Config) -> list[dict]:
     multi_turn = config.worker.rollout.multi_turn
     if not (multi_turn.enable and multi_turn.tools):
         return []
+    from vlmrl.rollout.tools import load_tools
+
     return [t.schema() for t in load_tools(multi_turn.tools)]
 
 
@@ -92,6 +89,14 @@ class Runner:
         self.stop_requested.set()
 
     def run(self, config: Config, plan: Plan, hooks: RunHooks | None = None) -> None:
+        from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
+        from vlmrl.driver.loop import TrainingLoop
+        from vlmrl.driver.resume import check_resume
+        from vlmrl.driver.reward_model import reward_model_link, start_reward_model
+        from vlmrl.driver.scoring import start_scorers
+        from vlmrl.loggers.tracking import RunInfo, Tracker
+        from vlmrl.workers.group import WorkerGroup
+
         experiment_dir = Path(plan.experiment_dir)
         experiment_dir.mkdir(parents=True, exist_ok=True)
         (experiment_dir / "config.json").write_text(json.dumps({"config": to_dict(config), "plan": plan.as_dict()}, indent=2))
@@ -185,6 +190,8 @@ class Runner:
 
 def _finished_line(done: int, steps_per_epoch: int, config: Config) -> str | None:
     """The one line for a run whose checkpoint already holds all its steps, or None when there is training left."""
+    from vlmrl.driver.loop import planned_steps
+
     trainer_cfg = config.trainer
     total = planned_steps(steps_per_epoch, trainer_cfg.total_epochs, trainer_cfg.max_steps)
     if done < total:
