@@ -114,7 +114,17 @@ def _run(config, plan, hooks) -> int:
             needed = plan.world_size + plan.rollout_servers + (plan.reward_workers + 1) * reward.num_cpus
             needed += reward.reward_model.num_cpus if separate_rm else 0
             # address="local": a cluster of its own even when another one on this machine (ray start) is found.
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **options)
+            # No prestarted idle workers: Ray starts one per logical CPU, each a Python process importing Ray
+            # (about 0.6 s of CPU apiece), and none of the run's actors was seen to take one: the Runner and the
+            # reward actors started processes of their own beside them. Without them a launch is no slower.
+            no_prestart = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+            ray.init(
+                address="local",
+                num_cpus=max(os.cpu_count() or 1, needed),
+                include_dashboard=False,
+                _system_config=no_prestart,
+                **options,
+            )
     print(f"vlmrl: {plan.experiment_dir} (engine logs: {log_path})", flush=True)
     # Three threads: run, request_stop and take_console can each arrive while the others wait.
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=3).remote()
