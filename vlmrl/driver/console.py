@@ -36,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from vlmrl.heap import pause_full_collections
+
 LOG_FILE = "run.log"
 """The engines' logs, in the experiment dir."""
 
@@ -66,12 +68,16 @@ def quiet_ray_notices() -> None:
 
 
 def process_setup() -> None:
-    """Point this process's stdout and stderr at the run's log file (and, verbose, at their old targets too).
+    """Point this process's stdout and stderr at the run's log file (and, verbose, at their old targets too), and
+    pause full garbage collections while it starts.
 
     Runs in each Ray worker process of the run (``worker_process_setup_hook``),
     before the process imports torch or vLLM, so their import-time warnings
     land in the file as well.
     """
+    # Before the process imports torch, vLLM and the models: see vlmrl.heap. The heavy actors end the pause
+    # when they have started (``started``), the others after ``PAUSE_S``.
+    pause_full_collections()
     log_path, verbose = os.environ.get(RUN_LOG_ENV), os.environ.get(VERBOSE_ENV) == "1"
     if not log_path:
         return

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from vlmrl.config import Config, RewardModelPlacement, to_dict
 from vlmrl.driver.console import ConsoleFeed, Progress
+from vlmrl.heap import started
 from vlmrl.plan import Plan, describe
 
 # The rest (the step loop, the worker group, the data: torch, transformers and the image processors, about
@@ -149,6 +150,7 @@ class Runner:
         own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
         tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
         tracker = Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
+        started()  # the loaders, the handles and the libraries live as long as the run (vlmrl.heap)
         try:
             TrainingLoop(
                 config, plan, train_loader, val_loader, scorers, workers, tracker,

@@ -17,6 +17,7 @@ import time
 import torch
 
 from vlmrl.config import Config
+from vlmrl.heap import freeze_survivors, started
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import InterruptMode, Sampling
@@ -66,6 +67,8 @@ class HybridWorker:
         self.rollout: RolloutWorker | None = None
         self.weight_sync: WeightSync | None = None
         if not plan.rollout_servers:
+            # vLLM runs full collections while it sizes its memory; frozen, the trainer's heap is not walked.
+            freeze_survivors()
             self.rollout = RolloutWorker(
                 config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens, self.trainer.processor
             )
@@ -92,6 +95,7 @@ class HybridWorker:
         # GPU memory: torch keeps one resettable peak; each rollout resets it to measure its own peak, so the
         # run's peak before that reset is kept here. The rollouts' peak since the last update goes out with it.
         self.gpu_peak_bytes, self.rollout_gpu_peak_bytes = 0, 0
+        started()  # the models, the engine and the libraries live as long as this process (vlmrl.heap)
 
     def pad_token_id(self) -> int:
         return self.trainer.tokenizer.pad_token_id

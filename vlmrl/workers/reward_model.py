@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import RewardModelConfig, RewardModelKind
+from vlmrl.heap import started
 
 
 def _vllm_messages(conversation: list[dict]) -> list[dict]:
@@ -59,6 +60,7 @@ class RewardModelServer:
             self._build_judge(min_pixels, max_pixels)
         else:
             self._build_scorer()
+        started()  # the model and the libraries live as long as this process (vlmrl.heap)
 
     def ready(self) -> str:
         """What the driver waits on: the model is loaded (a load error surfaces here, naming the model)."""

@@ -35,6 +35,7 @@ import ray
 from transformers import AutoConfig
 
 from vlmrl.config import Config
+from vlmrl.heap import started
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.endpoint_loop import EngineLoop
@@ -80,6 +81,7 @@ class RolloutServer:
         """Numbers each generate call; its request ids start with it, unique among the calls in flight."""
         self._load_lock = threading.Lock()
         """One weight load at a time: a refuse-mode load pauses the loop, which another load must not undo."""
+        started()  # the engine and the libraries live as long as this process (vlmrl.heap)
 
     # ---------------------------------------------------------------- rollout
 
