@@ -15,6 +15,7 @@ from helpers.runs import (
 )
 from helpers.sigterm_run import SigtermRun, sigterm_run as _sigterm_run
 
+from vlmrl.heap import pause_full_collections, started
 from vlmrl.testing.assets import QuickstartAssets, TinyAssets, ensure_quickstart_assets, ensure_tiny_assets
 from vlmrl.testing.resolvers import register_resolvers
 
@@ -148,3 +149,15 @@ def pytest_runtest_teardown(item, nextitem):
     for name, shared in _SHARED_ENGINES.items():
         if nextitem is None or name not in getattr(nextitem, "fixturenames", ()):
             shared.close()
+
+
+
+def pytest_configure(config):
+    # Collecting imports torch, transformers and vlmrl's modules: no full collection walks them while they grow.
+    pause_full_collections()
+
+
+def pytest_collection_finish(session):
+    # What collecting imported lives as long as pytest: frozen, the full collections the tests trigger do not
+    # walk it again and again (vlmrl.heap).
+    started()

@@ -1,7 +1,8 @@
 """vlmrl.heap: full garbage collections paused while a worker process starts, and its start-up heap frozen after.
 
-These change this (pytest's) process's collector, so each test puts the thresholds, the callbacks and the frozen
-objects back as they were.
+These change this (pytest's) process's collector, so each test puts the thresholds and the callbacks back as they
+were. What they freeze stays frozen: the suite froze its own start-up heap already (tests/conftest.py), and
+unfreezing would hand that back to every full collection.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ def collector_as_it_was():
     heap._end_pause()
     gc.set_threshold(*thresholds)
     gc.callbacks[:] = callbacks
-    gc.unfreeze()
 
 
 def _full_collections_while_growing(objects: int) -> int:
