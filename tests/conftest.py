@@ -151,7 +151,6 @@ def pytest_runtest_teardown(item, nextitem):
             shared.close()
 
 
-
 def pytest_configure(config):
     # Collecting imports torch, transformers and vlmrl's modules: no full collection walks them while they grow.
     pause_full_collections()
