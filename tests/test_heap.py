@@ -85,10 +85,11 @@ def test_freezing_collects_garbage_cycles_first_so_none_is_frozen():
 
 def test_a_pause_nothing_ends_lapses_at_its_deadline():
     thresholds = gc.get_threshold()
-    heap.pause_full_collections(seconds=0.05)
+    # Half a second: a loaded machine must not pass the deadline between the pause and the first check.
+    heap.pause_full_collections(seconds=0.5)
     gc.collect(0)
     assert heap.paused()  # the deadline has not passed
-    time.sleep(0.1)
+    time.sleep(0.6)
     gc.collect(0)  # any collection after the deadline ends it
     assert not heap.paused()
     assert gc.get_threshold() == thresholds
