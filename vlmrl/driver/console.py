@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from vlmrl.heap import pause_full_collections
+from vlmrl.malloc import keep_freed_memory
 
 LOG_FILE = "run.log"
 """The engines' logs, in the experiment dir."""
@@ -68,8 +69,8 @@ def quiet_ray_notices() -> None:
 
 
 def process_setup() -> None:
-    """Point this process's stdout and stderr at the run's log file (and, verbose, at their old targets too), and
-    pause full garbage collections while it starts.
+    """Point this process's stdout and stderr at the run's log file (and, verbose, at their old targets too),
+    pause full garbage collections while it starts, and keep freed memory for reuse.
 
     Runs in each Ray worker process of the run (``worker_process_setup_hook``),
     before the process imports torch or vLLM, so their import-time warnings
@@ -78,6 +79,8 @@ def process_setup() -> None:
     # Before the process imports torch, vLLM and the models: see vlmrl.heap. The heavy actors end the pause
     # when they have started (``started``), the others after ``PAUSE_S``.
     pause_full_collections()
+    # Before the first large allocation: the passes' freed activations are reused, not faulted in again (vlmrl.malloc).
+    keep_freed_memory()
     log_path, verbose = os.environ.get(RUN_LOG_ENV), os.environ.get(VERBOSE_ENV) == "1"
     if not log_path:
         return
