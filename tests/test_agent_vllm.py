@@ -6,7 +6,8 @@ images in another order than the engine saw them, its log-probs after those imag
 check must catch it (swapping two tool images' pixels moves them far past the tolerance).
 
 Also: the same rollout done twice samples the same tokens (each turn is seeded by group, sample and turn),
-and the trajectories turn into the padded view the passes use.
+the trajectories turn into the padded view the passes use, and every request names each of its images by
+its content id, so the engine need not hash the images a trajectory sends again at every turn.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from vlmrl.data.media import resize_to_grid
 from vlmrl.data.positions import MRope
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.agent_loop import AgentLoop, Limits
-from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine import Sampling, image_content_id
 from vlmrl.rollout.observations import ConversationRenderer
 from vlmrl.rollout.sampling import sampling_mask
 from vlmrl.rollout.tools import ToolRunner, load_tools
@@ -56,8 +57,24 @@ def parts(tiny_assets):
     torch.set_num_threads(threads)
 
 
+class _Recording:
+    """The engine, keeping every request it is given."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests):
+        self.requests += requests
+        return self.engine.generate(requests)
+
+
 def _rollout(tiny_assets, parts):
+    """The trajectories of a two-prompt, n=2 rollout, and the engine requests of its turns."""
     processor, config, _, _, engine = parts
+    engine = _Recording(engine)
     tools = load_tools(["tests/helpers/agent_tools.py:reveal"])
     ds = RLHFDataset(
         str(tiny_assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
@@ -80,12 +97,17 @@ def _rollout(tiny_assets, parts):
     )  # fmt: skip
     sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True)
     trajectories, _ = loop.run([ds[0], ds[1]], [3, 8], sampling)
-    return trajectories
+    return trajectories, engine.requests
 
 
 @pytest.fixture(scope="module")
-def trajectories(tiny_assets, parts):
+def rollout(tiny_assets, parts):
     return _rollout(tiny_assets, parts)
+
+
+@pytest.fixture(scope="module")
+def trajectories(rollout):
+    return rollout[0]
 
 
 def _actor_log_probs(parts, trajectories):
@@ -135,9 +157,24 @@ def test_tool_images_in_the_wrong_order_fail_the_check(parts, trajectories):
 
 
 def test_the_same_rollout_twice_samples_the_same_tokens(tiny_assets, parts, trajectories):
-    again = _rollout(tiny_assets, parts)
+    again, _ = _rollout(tiny_assets, parts)
     assert [t.token_ids for t in again] == [t.token_ids for t in trajectories]
     # And the turns of one trajectory are distinct draws, not one seed replayed.
     t = trajectories[0]
     turns = [t.token_ids[(t.turn_ends[i - 1] + 1 if i else t.prompt_length) : e + 1] for i, e in enumerate(t.turn_ends)]
     assert len({tuple(x) for x in turns}) > 1
+
+
+def test_each_request_names_its_images_by_content_id(rollout):
+    # The ids are vLLM's keys for the images' processed inputs: an id on the wrong image would feed the engine
+    # another image's features (the decisive check above would then fail too).
+    trajectories, requests = rollout
+    with_images = [r for r in requests if r.multi_modal_data.get("image")]
+    assert len(with_images) == len(requests) and any(len(r.multi_modal_data["image"]) > 1 for r in requests)
+    for r in with_images:
+        assert r.multi_modal_ids == {"image": [image_content_id(i) for i in r.multi_modal_data["image"]]}
+    # A later turn sends the prompt's image again under the same id, and a tool's image under its own.
+    later = next(r for r in requests if len(r.multi_modal_data["image"]) > 1)
+    first = next(r for r in requests if r.request_id.rsplit(":", 1)[0] == later.request_id.rsplit(":", 1)[0])
+    assert later.multi_modal_ids["image"][0] == first.multi_modal_ids["image"][0]
+    assert len(set(later.multi_modal_ids["image"])) == len(later.multi_modal_ids["image"])

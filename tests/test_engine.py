@@ -6,6 +6,7 @@
 - ``generate`` (written once over add/step, through ``stream``) hands back what stepping by hand gives, in request order, and
   the same tokens and log-probs as vLLM's own blocking ``LLM.generate`` with the same seeds, image
   prompts included.
+- Content ids of images (``multi_modal_ids``) change no sample, and the engine keys the images by them.
 - Weights: refused while a request is unfinished; after a load the version is the one given and the
   outputs carry it; reloading the weights the engine started on decodes as before.
 """
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.rollout.engine import EngineBusy, EngineRequest, Sampling
+from vlmrl.rollout.engine import EngineBusy, EngineRequest, Sampling, image_content_id
 from vlmrl.rollout.sampling import seeded_requests
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
@@ -58,6 +59,20 @@ def _step_until_idle(engine, limit: int = 1000) -> list[tuple[int, object]]:
             return seen
         seen += [(i, out) for out in engine.step()]
     raise AssertionError("the engine did not finish")
+
+
+# Before the tests that use the shared engine: a test without it in between would tear it down (tests/conftest.py).
+def test_image_content_id_is_the_pixels():
+    from PIL import Image
+
+    a = Image.new("RGB", (4, 4), (10, 20, 30))
+    assert image_content_id(a) == image_content_id(a.copy())
+    b = a.copy()
+    b.putpixel((3, 3), (10, 20, 31))
+    assert image_content_id(b) != image_content_id(a)
+    # The same bytes in another shape or mode are another image.
+    assert image_content_id(Image.frombytes("RGB", (2, 8), a.tobytes())) != image_content_id(a)
+    assert image_content_id(Image.frombytes("L", (12, 4), a.tobytes())) != image_content_id(a)
 
 
 def test_requests_come_back_as_each_finishes(engine):
@@ -143,6 +158,29 @@ def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(e
         ]
     # The two samples of a request are seeded apart.
     assert any(o.samples[0].token_ids != o.samples[1].token_ids for o in outputs)
+
+
+def test_image_content_ids_change_no_sample_and_key_the_engines_media_cache(engine, image_prompts):
+    p0, p1 = image_prompts[0], image_prompts[1]
+    assert image_content_id(p0.images[0]) != image_content_id(p1.images[0])
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=8, ignore_eos=True, seed=21)
+
+    def request(rid, images, ids=None):
+        return EngineRequest(
+            request_id=rid, prompt_token_ids=p0.raw_prompt_ids, multi_modal_data={"image": images},
+            sampling=sampling, multi_modal_ids={"image": ids} if ids else {},
+        )  # fmt: skip
+
+    def tokens(req):
+        return [s.token_ids for s in engine.generate([req])[0].samples]
+
+    plain = tokens(request("plain", p0.images))
+    assert tokens(request("named", p0.images, [image_content_id(p0.images[0])])) == plain
+    other = tokens(request("other", p1.images, [image_content_id(p1.images[0])]))
+    assert other != plain  # another image, another sample: the image matters to what is sampled
+    # Proof that the engine goes by the id: p1's pixels under p0's id are served p0's cached inputs. (This is why
+    # two different images must never share an id.)
+    assert tokens(request("lying", p1.images, [image_content_id(p0.images[0])])) == plain
 
 
 def test_generate_needs_an_idle_engine_and_unique_ids(engine):

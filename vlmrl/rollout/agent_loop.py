@@ -42,7 +42,7 @@ import torch
 
 from vlmrl.records import Media, PromptSample, Trajectory
 from vlmrl.rollout import envs
-from vlmrl.rollout.engine import Engine, EngineRequest, Sampling
+from vlmrl.rollout.engine import Engine, EngineRequest, Sampling, image_content_id
 from vlmrl.rollout.observations import ConversationRenderer, Observation, split_images
 from vlmrl.rollout.sampling import group_seed, media_offsets
 from vlmrl.rollout.tool_parsers import ParsedTurn
@@ -86,6 +86,8 @@ class _Conversation:
     mm_chunks: list[dict[str, torch.Tensor]]
     images: list[Any]
     """Every image shown so far, the prompt's first: what tools get in their context."""
+    image_ids: list[str]
+    """The content id of each image the engine is sent (``multi_modal_data``'s, in its order)."""
     new_images: list[Any] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
@@ -134,6 +136,7 @@ class _Conversation:
             self.mm_chunks.append(obs.mm_inputs)
             self.images += obs.images
             self.new_images += obs.images
+            self.image_ids += [image_content_id(image) for image in obs.images]
         self.messages += messages
 
     def row(self) -> dict[str, Any]:
@@ -183,9 +186,12 @@ class AgentLoop:
     ) -> tuple[list[Trajectory], dict[str, float]]:
         """n trajectories per prompt, in prompt and sample order, and the seconds of generation and tools."""
         timings = {"engine": 0.0, "tools": 0.0, "render": 0.0}
+        # Every turn sends the engine all of a trajectory's images again; each image's id is computed once here
+        # (the prompt's, for its n trajectories) or when a tool's arrives, so the engine need not hash them.
         conversations = [
-            self._start(prompt, group_id, i)
+            self._start(prompt, group_id, i, image_ids)
             for prompt, group_id in zip(prompts, group_ids, strict=True)
+            for image_ids in [[image_content_id(image) for image in prompt.images]]
             for i in range(sampling.n)
         ]
         active = [c for c in conversations if not c.stop_reason]
@@ -225,7 +231,7 @@ class AgentLoop:
         timings["render"] += time.perf_counter() - start
         return trajectories, timings
 
-    def _start(self, prompt: PromptSample, group_id: int, index: int) -> _Conversation:
+    def _start(self, prompt: PromptSample, group_id: int, index: int, image_ids: list[str]) -> _Conversation:
         return _Conversation(
             prompt=prompt,
             group_id=group_id,
@@ -238,6 +244,7 @@ class AgentLoop:
             versions=[-1] * len(prompt.input_ids),
             mm_chunks=[prompt.mm_inputs] if prompt.mm_inputs else [],
             images=list(prompt.images),
+            image_ids=list(image_ids),
         )
 
     def _request(self, c: _Conversation, turn: int, sampling: Sampling) -> EngineRequest:
@@ -249,6 +256,7 @@ class AgentLoop:
             prompt_token_ids=list(c.raw),
             multi_modal_data=c.multi_modal_data(),
             sampling=dataclasses.replace(sampling, n=1, max_tokens=max_tokens, seed=turn_seed(first, turn)),
+            multi_modal_ids={"image": list(c.image_ids)} if c.image_ids else {},
         )
 
     def _answer(self, c: _Conversation, reply: _Reply, turn: int) -> bool:

@@ -26,6 +26,7 @@ Imports nothing from the rest of vlmrl: the records here are plain data.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -80,6 +81,19 @@ class EngineRequest:
     multi_modal_data: dict[str, Any] = field(default_factory=dict)
     """vLLM's format, e.g. ``{"image": [PIL images]}``; empty for a text prompt."""
     sampling: Sampling
+    multi_modal_ids: dict[str, list[str]] = field(default_factory=dict)
+    """Optional: for a modality of ``multi_modal_data``, one content id per item, in the same order
+    (``image_content_id``). An engine may then key what it caches per item by the id instead of hashing the
+    item's pixels on every request: a multi-turn trajectory sends its prompt's images again at every turn.
+    Two different items must never share an id."""
+
+
+def image_content_id(image: Any) -> str:
+    """An id of a PIL image's pixels: equal for equal mode, size and bytes, different otherwise (a 128-bit
+    BLAKE2 digest, so a collision is out of reach)."""
+    digest = hashlib.blake2b(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode(), digest_size=16)
+    digest.update(image.tobytes())
+    return f"vlmrl-image-{digest.hexdigest()}"
 
 
 @dataclass(frozen=True)

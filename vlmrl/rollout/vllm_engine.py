@@ -329,6 +329,9 @@ class VLLMEngine(Engine):
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids, "cache_salt": f"vlmrl-v{self.version}"}
         if request.multi_modal_data:
             prompt["multi_modal_data"] = request.multi_modal_data
+            if request.multi_modal_ids:
+                # vLLM keys its processor cache by these instead of hashing every item of every request.
+                prompt["multi_modal_uuids"] = request.multi_modal_ids
         engine = self.llm.llm_engine
         (engine_input,) = engine.renderer.render_cmpl(
             [parse_model_prompt(engine.model_config, prompt)], engine.renderer.default_cmpl_tok_params
@@ -481,6 +484,7 @@ class VLLMEngine(Engine):
                 prompt_token_ids=request.prompt_token_ids + prefix.token_ids,
                 multi_modal_data=request.multi_modal_data,  # the prompt keeps its placeholders: re-expanded
                 sampling=sampling,
+                multi_modal_ids=request.multi_modal_ids,
             )
         )
 
