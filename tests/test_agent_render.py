@@ -191,6 +191,32 @@ def test_a_repeated_observation_renders_as_the_first_without_the_template(tiny, 
     assert calls and "picture 1" in other.text
 
 
+def test_a_repeated_image_is_processed_once_and_each_observation_gets_its_own_tensors(tiny, monkeypatch):
+    processor, config = tiny
+    loop = _loop(processor, config, ScriptedEngine(processor.tokenizer, lambda r, turn: ""), [], parser=agent_tools.call_reveal)
+    renderer = loop.renderer
+    messages = renderer.tool_messages([("picture", [agent_tools.card(0)])])
+    first = renderer.render(messages, [agent_tools.card(0)])
+    calls = []
+    image_processor = renderer.expansion.image_processor
+    process = type(image_processor).__call__
+    monkeypatch.setattr(type(image_processor), "__call__", lambda self, *a, **k: calls.append(1) or process(self, *a, **k))
+    # A new image object with the same pixels: the same content id, so the processor is not called again.
+    again = renderer.render(messages, [agent_tools.card(0)])
+    assert calls == [] and again.image_ids == first.image_ids
+    assert again.ids == first.ids
+    for key, tensor in first.mm_inputs.items():
+        assert torch.equal(again.mm_inputs[key], tensor)
+    # No two observations share a tensor: writing into one leaves the next render's as processed.
+    pixels = first.mm_inputs["pixel_values"].clone()
+    again.mm_inputs["pixel_values"].zero_()
+    assert torch.equal(renderer.render(messages, [agent_tools.card(0)]).mm_inputs["pixel_values"], pixels)
+    # Other pixels, another id: processed.
+    other = renderer.render(messages, [agent_tools.card(1)])
+    assert calls == [1] and other.image_ids != first.image_ids
+    assert not torch.equal(other.mm_inputs["pixel_values"], pixels)
+
+
 def test_a_template_that_is_not_append_only_is_reported_as_a_mismatch(tiny_assets, family):
     _, processor, config = family
     tools = load_tools([f"{TOOLS}:reveal"])

@@ -136,7 +136,7 @@ class _Conversation:
             self.mm_chunks.append(obs.mm_inputs)
             self.images += obs.images
             self.new_images += obs.images
-            self.image_ids += [image_content_id(image) for image in obs.images]
+            self.image_ids += obs.image_ids
         self.messages += messages
 
     def row(self) -> dict[str, Any]:

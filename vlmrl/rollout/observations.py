@@ -31,13 +31,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vlmrl.rollout.engine import image_content_id
+
 _SYSTEM = [{"role": "system", "content": "S"}]
 _TEXT_CACHE = 4096
+_PIXEL_CACHE = 1024
+"""Image processor outputs kept, by the images' content ids: a tool's picture often comes back to every sample of
+a group (the same row), or to every trajectory (a fixed card), and the image processor is most of an
+observation's cost (0.33 of 0.40 s for 512 observations in a profile of ``benchmarks.agent``'s loop)."""
 
 
 @dataclass
@@ -51,6 +57,8 @@ class Observation:
     images: list[Any]
     """The images, resized to the processor's grid, in order."""
     text: str
+    image_ids: list[str] = field(default_factory=list)
+    """The content id of each image (``image_content_id``), in order."""
 
 
 class ConversationRenderer:
@@ -77,6 +85,7 @@ class ConversationRenderer:
         generation = self._render(_SYSTEM, add_generation_prompt=True)
         self.generation_prompt = generation[len(self.base) :]
         self._texts: dict[tuple[str, bool], tuple[str, tuple[int, ...]]] = {}
+        self._pixels: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self.expansion = _PlaceholderExpansion.of(processor)
         """Expands the engine's image placeholders into patch tokens without the processor; None: the processor."""
 
@@ -125,13 +134,27 @@ class ConversationRenderer:
         images = [self.resize(image) for image in images]
         if not images:
             return Observation(raw_ids, list(raw_ids), {}, [], text)
+        image_ids = [image_content_id(image) for image in images]
         if self.expansion is not None:
-            ids, out = self.expansion.expand(raw_ids, images)
+            out = self._processed(images, tuple(image_ids))
+            ids = self.expansion.expand(raw_ids, out)
         else:
             out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
             ids = out["input_ids"][0].tolist()
         mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
-        return Observation(raw_ids, ids, mm_inputs, images, text)
+        return Observation(raw_ids, ids, mm_inputs, images, text, image_ids)
+
+    def _processed(self, images: list[Any], key: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The image processor's tensors for ``images``, kept by their content ids (``_PIXEL_CACHE``); each call
+        gets tensors of its own, so no two observations share one."""
+        hit = self._pixels.get(key)
+        if hit is None:
+            out = self.expansion.image_processor(images=images, do_resize=False, return_tensors="pt")
+            hit = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+            if len(self._pixels) >= _PIXEL_CACHE:
+                self._pixels.clear()
+            self._pixels[key] = hit
+        return {k: v.clone() for k, v in hit.items()}
 
     def _text(self, messages: list[dict], after_turn: bool) -> tuple[str, list[int]]:
         """The text of ``messages`` after a turn or the prompt, and its ids for the engine.
@@ -188,9 +211,9 @@ class _PlaceholderExpansion:
             return None
         return cls(image_processor, token_id, merge)
 
-    def expand(self, raw_ids: list[int], images: list[Any]) -> tuple[list[int], Any]:
-        """``(the actor's ids, the image processor's output)``; the placeholders must match the images."""
-        out = self.image_processor(images=images, do_resize=False, return_tensors="pt")
+    def expand(self, raw_ids: list[int], out: dict[str, torch.Tensor]) -> list[int]:
+        """The actor's ids for ``raw_ids``, given the image processor's output ``out`` for its images; the
+        placeholders must match the images."""
         counts = (out["image_grid_thw"].prod(dim=-1) // self.merge_size**2).tolist()
         if raw_ids.count(self.image_token_id) != len(counts):
             raise ValueError(
@@ -204,7 +227,7 @@ class _PlaceholderExpansion:
                 ids += [token] * next(images_left)
             else:
                 ids.append(token)
-        return ids, out
+        return ids
 
 
 def _content(text: str, images: list[Any]) -> str | list[dict]:
