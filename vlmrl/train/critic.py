@@ -24,6 +24,7 @@ from vlmrl import algos
 from vlmrl.algos import LossAvgMode
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
+from vlmrl.train.image_features import share_image_features
 from vlmrl.train.models import load_pretrained
 from vlmrl.train.micro_batches import MicroBatching, merged_mm_inputs
 from vlmrl.train.update_loop import run_epochs
@@ -44,6 +45,7 @@ class ValueModel(torch.nn.Module):
         cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool, override_config: dict | None = None
     ) -> ValueModel:
         vlm = load_pretrained(model_path, dtype, trust_remote_code, override_config)  # a VLM, or a text causal LM
+        share_image_features(vlm)  # each distinct image of a pass through the vision tower once
         model = cls(vlm.model, vlm.config.get_text_config().hidden_size, dtype)
         model.no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
         return model

@@ -31,6 +31,7 @@ from vlmrl.train import lora as lora_adapters
 from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
+from vlmrl.train.image_features import share_image_features
 from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
 from vlmrl.train.optimizers import build_optimizer
 from vlmrl.train.micro_batches import MicroBatching, TokenCount
@@ -52,6 +53,8 @@ def _load_sharded(
 ) -> torch.nn.Module:
     """Load a HF VLM or text causal LM, add LoRA adapters when ``lora`` is given, and shard it with FSDP2."""
     model = load_pretrained(model_path, dtype, trust_remote_code, override_config)
+    # The n samples of a prompt carry its image n times: the passes run the vision tower once per distinct image.
+    share_image_features(model)
     if lora is not None:
         # Before sharding, so each adapter lands in its layer's FSDP unit and is sharded like the rest.
         lora_adapters.add_lora(model, lora)
