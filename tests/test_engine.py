@@ -156,8 +156,40 @@ def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(e
         assert [s.log_probs for s in ours.samples] == [
             [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in theirs.outputs
         ]
+        assert [s.text for s in ours.samples] == [c.text for c in theirs.outputs]
     # The two samples of a request are seeded apart.
     assert any(o.samples[0].token_ids != o.samples[1].token_ids for o in outputs)
+
+
+def test_texts_are_vllms_own_detokenization(engine, image_prompts):
+    """The engine asks vLLM for no text and decodes each finished sample once; the texts are vLLM's, both where a
+    whole decode gives them (the random tiny model's samples hold bytes that are not UTF-8 all over) and where a
+    sample ends inside a character and goes through a primed decode stream."""
+    from vllm import SamplingParams
+
+    sampling = Sampling(n=4, temperature=1.0, max_tokens=48, ignore_eos=True)
+    requests = seeded_requests(image_prompts, [21, 22, 23], sampling, engine.seed)
+    requests += [_text(f"short{i}", 2, n=4, seed=100 + i) for i in range(3)]  # short: most decode whole
+    outputs = engine.generate(requests)
+    params = [
+        SamplingParams(n=4, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=True, seed=r.sampling.seed,
+                       allowed_token_ids=engine.allowed_token_ids)
+        for r in requests
+    ]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": r.prompt_token_ids, **({"multi_modal_data": r.multi_modal_data} if r.multi_modal_data else {})}
+        for r in requests
+    ]
+    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    ours = [s.text for o in outputs for s in o.samples]
+    theirs = [c.text for o in reference for c in o.outputs]
+    assert ours == theirs
+    # Both ways of decoding ran, and whole decodes with U+FFFD inside were taken as they were.
+    tokenizer = engine.llm.get_tokenizer()
+    whole = tokenizer.batch_decode([s.token_ids for o in outputs for s in o.samples], skip_special_tokens=True)
+    streamed = sum(text.endswith("\ufffd") for text in whole)
+    assert 0 < streamed < len(whole), streamed
+    assert any("\ufffd" in text and not text.endswith("\ufffd") for text in whole)
 
 
 def test_image_content_ids_change_no_sample_and_key_the_engines_media_cache(engine, image_prompts):
