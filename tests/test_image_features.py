@@ -111,3 +111,16 @@ def test_distinct_rows_are_not_merged(family_batch):
     with torch.no_grad():
         forward_response(shared, one_per_prompt, allowed)
     assert seen[-1] == 2
+
+
+def test_a_copy_of_the_model_encodes_with_its_own_tower(family_batch):
+    """``copy.deepcopy`` of a wrapped model: the copy's wrapper runs the copy's tower, not the original's."""
+    import copy
+
+    (_plain, shared), batch, allowed = family_batch
+    share_image_features(shared)
+    clone = copy.deepcopy(shared)
+    seen_original, seen_clone = _images_seen(shared), _images_seen(clone)
+    with torch.no_grad():
+        forward_response(clone, batch, allowed)
+    assert seen_clone == [2] and seen_original == []

@@ -22,7 +22,7 @@ tensor identity. Videos are left as they are.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import types
 
 import torch
 
@@ -32,16 +32,18 @@ __all__ = ["distinct_images", "share_image_features"]
 def share_image_features(model: torch.nn.Module) -> int:
     """Wrap the ``get_image_features`` of each module of ``model`` that holds a vision tower (``visual``).
 
-    Returns how many modules were wrapped (0 for a text model). Call it before
-    sharding or adding adapters: it replaces a bound method on the module
-    instance, which neither touches.
+    Returns how many modules were wrapped (0 for a text model, and for one wrapped before). Call it before
+    sharding or adding adapters: it sets a bound method on the module instance, which neither touches. The
+    method reaches the class's own ``get_image_features`` through the module it is bound to, so a copy of the
+    model (``copy.deepcopy`` rebinds bound methods to the copy) encodes with its own tower.
     """
     wrapped = 0
     for module in model.modules():
-        original = getattr(module, "get_image_features", None)
-        if "visual" not in module._modules or original is None or getattr(original, "_vlmrl_shared", False):
+        if "visual" not in module._modules or not hasattr(type(module), "get_image_features"):
             continue
-        module.get_image_features = _sharing(original)
+        if getattr(module.__dict__.get("get_image_features"), "__func__", None) is _shared_get_image_features:
+            continue
+        module.get_image_features = types.MethodType(_shared_get_image_features, module)
         wrapped += 1
     return wrapped
 
@@ -77,33 +79,32 @@ def distinct_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple
     return firsts, where
 
 
-def _sharing(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def get_image_features(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None, **kwargs):
-        # Only the structured output (what the models' forward asks for) can be expanded without knowing the
-        # family's tuple layout.
-        if image_grid_thw is None or len(image_grid_thw) < 2 or not kwargs.get("return_dict"):
-            return original(pixel_values, image_grid_thw, **kwargs)
-        firsts, where = distinct_images(pixel_values, image_grid_thw)
-        if len(firsts) == len(where):
-            return original(pixel_values, image_grid_thw, **kwargs)
-        sizes = image_grid_thw.prod(-1).tolist()
-        patches = torch.split(pixel_values, sizes)
-        out = original(torch.cat([patches[i] for i in firsts]), image_grid_thw[firsts], **kwargs)
-        # Per image (a tuple, one entry per image): the merged embeddings, and Qwen3-VL's deepstack features
-        # (one such tuple per deepstack layer). Each copy gets its first occurrence's tensors.
-        out.pooler_output = tuple(out.pooler_output[j] for j in where)
-        deepstack = getattr(out, "deepstack_features", None)
-        if deepstack is not None:
-            out.deepstack_features = [tuple(layer[j] for j in where) for layer in deepstack]
-        # The tower's patch-level states, one image after another (no model's forward reads them): expanded
-        # the same way, so the output describes every image of pixel_values.
-        states = getattr(out, "last_hidden_state", None)
-        unique_sizes = [sizes[i] for i in firsts]
-        if isinstance(states, torch.Tensor) and states.shape[0] == sum(unique_sizes):
-            pieces = torch.split(states, unique_sizes)
-            out.last_hidden_state = torch.cat([pieces[j] for j in where])
-        return out
-
-    get_image_features._vlmrl_shared = True
-    return get_image_features
+def _shared_get_image_features(
+    module: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None, **kwargs
+):
+    """The module's class's ``get_image_features`` over the distinct images, each copy given its original's."""
+    original = functools.partial(type(module).get_image_features, module)
+    # Only the structured output (what the models' forward asks for) can be expanded without knowing the
+    # family's tuple layout.
+    if image_grid_thw is None or len(image_grid_thw) < 2 or not kwargs.get("return_dict"):
+        return original(pixel_values, image_grid_thw, **kwargs)
+    firsts, where = distinct_images(pixel_values, image_grid_thw)
+    if len(firsts) == len(where):
+        return original(pixel_values, image_grid_thw, **kwargs)
+    sizes = image_grid_thw.prod(-1).tolist()
+    patches = torch.split(pixel_values, sizes)
+    out = original(torch.cat([patches[i] for i in firsts]), image_grid_thw[firsts], **kwargs)
+    # Per image (a tuple, one entry per image): the merged embeddings, and Qwen3-VL's deepstack features
+    # (one such tuple per deepstack layer). Each copy gets its first occurrence's tensors.
+    out.pooler_output = tuple(out.pooler_output[j] for j in where)
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack is not None:
+        out.deepstack_features = [tuple(layer[j] for j in where) for layer in deepstack]
+    # The tower's patch-level states, one image after another (no model's forward reads them): expanded
+    # the same way, so the output describes every image of pixel_values.
+    states = getattr(out, "last_hidden_state", None)
+    unique_sizes = [sizes[i] for i in firsts]
+    if isinstance(states, torch.Tensor) and states.shape[0] == sum(unique_sizes):
+        pieces = torch.split(states, unique_sizes)
+        out.last_hidden_state = torch.cat([pieces[j] for j in where])
+    return out
