@@ -409,15 +409,21 @@ class VLLMEngine(Engine):
         """vLLM's detokenization of ``token_ids`` (``FastIncrementalDetokenizer`` with ``skip_special_tokens``):
         a decode stream primed with the prompt, stepped once per token; what a step returns is appended."""
         import tokenizers
+        from vllm.v1.engine.detokenizer import INVALID_PREFIX_ERR_MSG
 
         backend = tokenizer._tokenizer
         stream = tokenizers.decoders.DecodeStream(ids=prompt_token_ids, skip_special_tokens=True)
         pieces = []
         for token_id in token_ids:
+            # vLLM's own handling of a failing step (FastIncrementalDetokenizer._protected_step, 0.32).
             try:
                 piece = stream.step(backend, token_id)
-            except Exception:
-                # vLLM restarts the stream without the prompt when the tokenizer reports an invalid prefix.
+            except (OverflowError, TypeError):
+                piece = None  # an invalid token id: vLLM logs it and adds nothing
+            except Exception as e:
+                if not str(e).startswith(INVALID_PREFIX_ERR_MSG):
+                    raise
+                # The tokenizer reported an invalid prefix: vLLM restarts the stream without the prompt.
                 stream = tokenizers.decoders.DecodeStream(skip_special_tokens=True)
                 piece = stream.step(backend, token_id)
             pieces.append(piece or "")
