@@ -61,6 +61,25 @@ def _step_until_idle(engine, limit: int = 1000) -> list[tuple[int, object]]:
     raise AssertionError("the engine did not finish")
 
 
+def _llm_generate(engine, requests: list[EngineRequest]):
+    """vLLM's own blocking ``LLM.generate`` on ``requests`` (temperature 1), with their seeds, the allowed list and
+    the sampled tokens' log-probs, on the engine's ``LLM``: what the engine's outputs must equal."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            n=r.sampling.n, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=r.sampling.ignore_eos,
+            seed=r.sampling.seed, logprobs=0, allowed_token_ids=engine.allowed_token_ids,
+        )
+        for r in requests
+    ]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": r.prompt_token_ids, **({"multi_modal_data": r.multi_modal_data} if r.multi_modal_data else {})}
+        for r in requests
+    ]
+    return engine.llm.generate(prompts, params, use_tqdm=False)
+
+
 # Before the tests that use the shared engine: a test without it in between would tear it down (tests/conftest.py).
 def test_image_content_id_is_the_pixels():
     from PIL import Image
@@ -119,8 +138,6 @@ def test_stream_hands_each_output_back_as_it_finishes_and_closing_it_aborts_the_
 
 
 def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(engine, image_prompts):
-    from vllm import SamplingParams
-
     sampling = Sampling(n=2, temperature=1.0, max_tokens=6, want_log_probs=True)
     requests = [_text("t0", 6, n=2, seed=11, want_log_probs=True)]
     requests += seeded_requests(image_prompts, [5, 6, 7], sampling, engine.seed)
@@ -139,18 +156,7 @@ def test_generate_is_add_and_step_in_request_order_and_samples_as_llm_generate(e
     # the samples and log-probs must be the allowed list's to the bit.
     processors = engine.llm.llm_engine.model_config.logits_processors
     assert [p.__name__ for p in processors] == ["BanTokens"]
-    params = [
-        SamplingParams(
-            n=r.sampling.n, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=r.sampling.ignore_eos,
-            seed=r.sampling.seed, logprobs=0, allowed_token_ids=engine.allowed_token_ids,
-        )
-        for r in requests
-    ]  # fmt: skip
-    prompts = [
-        {"prompt_token_ids": r.prompt_token_ids, **({"multi_modal_data": r.multi_modal_data} if r.multi_modal_data else {})}
-        for r in requests
-    ]
-    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    reference = _llm_generate(engine, requests)
     for ours, theirs in zip(outputs, reference, strict=True):
         assert [s.token_ids for s in ours.samples] == [list(c.token_ids) for c in theirs.outputs]
         assert [s.log_probs for s in ours.samples] == [
@@ -165,22 +171,11 @@ def test_texts_are_vllms_own_detokenization(engine, image_prompts):
     """The engine asks vLLM for no text and decodes each finished sample once; the texts are vLLM's, both where a
     whole decode gives them (the random tiny model's samples hold bytes that are not UTF-8 all over) and where a
     sample ends inside a character and goes through a primed decode stream."""
-    from vllm import SamplingParams
-
     sampling = Sampling(n=4, temperature=1.0, max_tokens=48, ignore_eos=True)
     requests = seeded_requests(image_prompts, [21, 22, 23], sampling, engine.seed)
     requests += [_text(f"short{i}", 2, n=4, seed=100 + i) for i in range(3)]  # short: most decode whole
     outputs = engine.generate(requests)
-    params = [
-        SamplingParams(n=4, temperature=1.0, max_tokens=r.sampling.max_tokens, ignore_eos=True, seed=r.sampling.seed,
-                       allowed_token_ids=engine.allowed_token_ids)
-        for r in requests
-    ]  # fmt: skip
-    prompts = [
-        {"prompt_token_ids": r.prompt_token_ids, **({"multi_modal_data": r.multi_modal_data} if r.multi_modal_data else {})}
-        for r in requests
-    ]
-    reference = engine.llm.generate(prompts, params, use_tqdm=False)
+    reference = _llm_generate(engine, requests)
     ours = [s.text for o in outputs for s in o.samples]
     theirs = [c.text for o in reference for c in o.outputs]
     assert ours == theirs
