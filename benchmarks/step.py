@@ -21,7 +21,10 @@ after the other (never concurrently: the cores are shared), it measures
 longest real prompt of the batch. (a) and (c)-(e) run in ``--rounds`` paired
 rounds (raw, vlmrl, raw): each round's reference and update passes are divided
 by the raw passes timed just before and just after, and ``ref_vs_raw`` and
-``update_vs_raw`` are the means of the rounds' ratios. Each part runs in a subprocess whose peak
+``update_vs_raw`` are the means of the rounds' ratios. With ``--trl``, TRL's GRPOTrainer runs in every
+round too (first in odd rounds, last in even ones) and ``vlmrl_over_trl_samples_per_s`` is the mean of the
+rounds' ratios: one TRL run minutes away from vlmrl's measured the hour, not the tools. Each part runs in a
+subprocess whose peak
 resident memory (the whole process tree, Ray's workers included) is sampled.
 Results go to ``<out>/step.json`` and ``<out>/step.md``.
 
@@ -422,9 +425,24 @@ def paired_rounds(rounds: list[dict]) -> list[dict]:
                 "raw_update_s": raw_update,
                 "update_vs_raw": t.get("update_actor", 0.0) / raw_update,
                 "vlmrl_phase_s_by_step": [x["phase_s"] for x in r["vlmrl"]["log"]],
+                # Both sides run the same samples a step, so the samples/s ratio is TRL's step over vlmrl's.
+                **(
+                    {"trl_step_s": r["trl"]["trl_step_s"], "vlmrl_over_trl": r["trl"]["trl_step_s"] / t["step"]}
+                    if r.get("trl")
+                    else {}
+                ),
             }
         )
     return out
+
+
+def _trl_ratio(vlmrl_samples_per_s: float, trl: dict, rounds: list[dict] | None) -> float:
+    """vlmrl / TRL samples/s: the mean of the rounds' ratios when TRL ran in every round beside vlmrl, else
+    the ratio of the two means."""
+    paired = [r["vlmrl_over_trl"] for r in rounds or [] if "vlmrl_over_trl" in r]
+    if paired and len(paired) == len(rounds or []):
+        return statistics.fmean(paired)
+    return vlmrl_samples_per_s / trl["trl_samples_per_s"]
 
 
 def summarise(
@@ -505,7 +523,7 @@ def summarise(
         "phase_s_vlmrl_vs_raw": {k: {"vlmrl": v[0], "raw": v[1]} for k, v in breakdown.items()},
         "peak_rss_mib": rss,
         "vlmrl_log": a["log"],
-        **({**trl, "vlmrl_over_trl_samples_per_s": (samples / step) / trl["trl_samples_per_s"]} if trl else {}),
+        **({**trl, "vlmrl_over_trl_samples_per_s": _trl_ratio(samples / step, trl, rounds)} if trl else {}),
         # Issue 17's pass goals, from the paired rounds (mean of the rounds' ratios).
         "rounds": rounds or [],
         **(
@@ -567,15 +585,19 @@ def markdown(r: dict) -> str:
     if r.get("rounds"):
         lines += [
             "",
-            "Paired rounds (raw HF passes just before and just after each vlmrl run; raw = their mean):",
+            "Paired rounds (raw HF passes just before and just after each vlmrl run; raw = their mean; TRL, when it "
+            "ran, in the same round, before vlmrl in odd rounds and after in even ones):",
             "",
-            "| round | vlmrl step (s) | ref vlmrl / raw (s) | ref ratio | update vlmrl / raw (s) | update ratio |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| round | vlmrl step (s) | ref vlmrl / raw (s) | ref ratio | update vlmrl / raw (s) | update ratio "
+            "| TRL step (s) | vlmrl / TRL |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for i, x in enumerate(r["rounds"], 1):
+            trl_cells = f"{x['trl_step_s']:.2f} | {x['vlmrl_over_trl']:.3f}" if "trl_step_s" in x else " | "
             lines.append(
                 f"| {i} | {x['vlmrl_step_s']:.2f} | {x['vlmrl_ref_s']:.3f} / {x['raw_ref_s']:.3f} | "
-                f"{x['ref_vs_raw']:.3f} | {x['vlmrl_update_s']:.3f} / {x['raw_update_s']:.3f} | {x['update_vs_raw']:.3f} |"
+                f"{x['ref_vs_raw']:.3f} | {x['vlmrl_update_s']:.3f} / {x['raw_update_s']:.3f} | {x['update_vs_raw']:.3f} "
+                f"| {trl_cells} |"
             )
     prof = r.get("vlmrl_gen_profile_s") or {}
     if prof:
@@ -591,7 +613,8 @@ def markdown(r: dict) -> str:
             "",
             (
                 f"TRL GRPOTrainer (transformers generation, same shape): {r['trl_step_s']:.2f} s/step, "
-                f"{r['trl_samples_per_s']:.2f} samples/s; vlmrl / TRL samples/s = {r['vlmrl_over_trl_samples_per_s']:.3f}."
+                f"{r['trl_samples_per_s']:.2f} samples/s (means over the rounds); vlmrl / TRL samples/s = "
+                f"{r['vlmrl_over_trl_samples_per_s']:.3f} (the mean of the rounds' ratios)."
             ),
         ]
     if r.get("trl_log"):
@@ -710,22 +733,10 @@ def main(argv=None) -> dict | None:
         rss[f"raw {part}"] = max(rss.get(f"raw {part}", 0.0), peak)
         return json.loads(result.read_text())
 
-    rounds = []
-    for i in range(args.rounds):
-        print(f"round {i + 1}/{args.rounds}: raw hf, (a) vlmrl steps, raw hf ...", flush=True)
-        before = raw_part("hf", f"{i}-before")
-        a = run_vlmrl(args, work)
-        rss["vlmrl (driver + Ray + worker)"] = max(rss.get("vlmrl (driver + Ray + worker)", 0.0), a["peak_rss_mib"])
-        rounds.append({"vlmrl": a, "hf_before": before, "hf_after": raw_part("hf", f"{i}-after")})
-    a = _mean_fields([r["vlmrl"] for r in rounds])
-    hf = _mean_fields([r[k] for r in rounds for k in ("hf_before", "hf_after")])
-    print("raw vllm ...", flush=True)
-    parts = {"vllm": raw_part("vllm", "0"), "hf": hf}
-    trl = None
     want_trl = args.trl == "yes" or (args.trl == "auto" and not args.smoke and importlib.util.find_spec("trl"))
-    if want_trl:
-        print("TRL GRPOTrainer ...", flush=True)
-        result = work / "trl.json"
+
+    def trl_part(tag: str) -> dict:
+        result = work / f"trl-{tag}.json"
         cmd = [
             sys.executable,
             "-m",
@@ -736,8 +747,35 @@ def main(argv=None) -> dict | None:
             f"--response-length={args.response_length}",
             f"--micro-update={args.micro_update}",
         ]
-        rss["TRL GRPOTrainer"] = run_part(cmd, work / "trl.log", args.timeout)
-        trl = json.loads(result.read_text())
+        peak = run_part(cmd, work / f"trl-{tag}.log", args.timeout)
+        rss["TRL GRPOTrainer"] = max(rss.get("TRL GRPOTrainer", 0.0), peak)
+        return json.loads(result.read_text())
+
+    rounds = []
+    for i in range(args.rounds):
+        # TRL, when it runs, is timed in every round beside vlmrl: first in even rounds, last in odd ones,
+        # so a drift of the machine's speed over the run falls on both sides alike.
+        trl_first = want_trl and i % 2 == 0
+        trl_last = want_trl and i % 2 == 1
+        order = ["TRL"] * trl_first + ["raw hf", "(a) vlmrl steps", "raw hf"] + ["TRL"] * trl_last
+        print(f"round {i + 1}/{args.rounds}: {', '.join(order)} ...", flush=True)
+        trl_round = trl_part(str(i)) if trl_first else None
+        before = raw_part("hf", f"{i}-before")
+        a = run_vlmrl(args, work)
+        rss["vlmrl (driver + Ray + worker)"] = max(rss.get("vlmrl (driver + Ray + worker)", 0.0), a["peak_rss_mib"])
+        after = raw_part("hf", f"{i}-after")
+        if trl_last:
+            trl_round = trl_part(str(i))
+        rounds.append({"vlmrl": a, "hf_before": before, "hf_after": after, "trl": trl_round})
+    a = _mean_fields([r["vlmrl"] for r in rounds])
+    hf = _mean_fields([r[k] for r in rounds for k in ("hf_before", "hf_after")])
+    print("raw vllm ...", flush=True)
+    parts = {"vllm": raw_part("vllm", "0"), "hf": hf}
+    trl = None
+    if want_trl:
+        # The step time is the rounds' mean; the losses shown beside vlmrl's are the last round's.
+        trl = {**rounds[-1]["trl"], "trl_step_s": statistics.fmean(r["trl"]["trl_step_s"] for r in rounds)}
+        trl["trl_samples_per_s"] = args.prompts * args.n / trl["trl_step_s"]
     report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl, paired_rounds(rounds))
     shutil.rmtree(work, ignore_errors=True)
     name = "step_smoke" if args.smoke else "step"
