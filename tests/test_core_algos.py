@@ -31,6 +31,7 @@ from vlmrl.algos import (
     grpo_passk_advantages,
     kl_in_reward,
     kl_penalty,
+    logprobs_and_entropy,
     logprobs_from_logits,
     make_kl_controller,
     masked_mean,
@@ -845,3 +846,33 @@ def test_low_precision_logits_are_upcast_in_chunks(monkeypatch):
     torch.testing.assert_close(entropy_from_logits(logits.detach()), expected_h, atol=1e-5, rtol=1e-5)
     lp.sum().backward()  # gradient flows back through the chunks
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_from_one_softmax_equal_the_two_functions(monkeypatch, dtype):
+    # Both come from the same log_softmax, so the values are the separate functions' to the bit; bf16 takes
+    # the chunked upcast (15 tokens, chunks of 4). A masked (-inf) entry gives an entropy term of 0, not nan.
+    monkeypatch.setattr(logits_module, "_FP32_CHUNK_TOKENS", 4)
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 5, 11, generator=gen) * 4).to(dtype)
+    logits[0, 0, 3] = float("-inf")
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    labels[0, 0] = 4
+    lp, h = logprobs_and_entropy(logits, labels)
+    assert torch.equal(lp, logprobs_from_logits(logits, labels))
+    assert torch.equal(h, entropy_from_logits(logits))
+    assert torch.isfinite(h).all()
+
+
+def test_logprobs_and_entropy_gives_the_log_probs_gradient_and_a_detached_entropy():
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(2, 4, 9, generator=gen) * 3
+    labels = torch.randint(0, 9, (2, 4), generator=gen)
+    weights = torch.randn(2, 4, generator=gen)
+    joint = base.clone().requires_grad_(True)
+    lp, h = logprobs_and_entropy(joint, labels)
+    assert lp.requires_grad and not h.requires_grad  # the entropy is a metric: no backward through it
+    (lp * weights).sum().backward()
+    apart = base.clone().requires_grad_(True)
+    (logprobs_from_logits(apart, labels) * weights).sum().backward()
+    assert torch.equal(joint.grad, apart.grad)  # the same graph for the log-probs, so the same bits

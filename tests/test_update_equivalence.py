@@ -20,8 +20,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType, entropy_from_logits
+from vlmrl.train.actor import UpdateSettings, compute_log_probs, forward_response, update_policy
 from vlmrl.train.micro_batches import MicroBatching, computed_tokens, merged_mm_inputs
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.packing import trim
@@ -279,3 +279,56 @@ def test_the_critic_values_and_gradients_are_the_same_padded_packed_or_budgeted(
     for other in ("packed", "budgeted"):
         for (name, _), a, f in zip(critic.named_parameters(), grads[other], grads["padded"]):
             assert float((a - f).norm()) <= 1e-4 * float(f.norm()) + 1e-9, (other, name)
+
+
+def test_an_entropy_term_in_the_loss_gets_the_entropy_gradient(model_and_batch):
+    # As a metric the entropy is detached (one log-softmax serves it and the log-probs); with entropy_grad (the
+    # update's entropy bonus) it carries the gradient of the entropy computed by hand from the model's logits.
+    model, batch, allowed = model_and_batch
+    mask = batch.response_mask
+    _, metric = forward_response(model, batch, allowed)
+    assert not metric.requires_grad
+    model.zero_grad(set_to_none=True)
+    _, bonus = forward_response(model, batch, allowed, entropy_grad=True)
+    torch.testing.assert_close(bonus.detach(), metric)
+    (bonus * mask).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids.transpose(0, 1),
+        use_cache=False,
+        logits_to_keep=RESPONSE + 1,
+        **merged_mm_inputs(batch),
+    )
+    logits = out.logits[:, :-1].float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    (entropy_from_logits(logits) * mask).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert_same_gradients(model, got, want)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_log_probs_are_of_each_rows_sampling_temperature(model_and_batch, padding_free):
+    # Rows sampled at temperature T are scored under softmax(z / T); rows at T = 1 skip the division.
+    # By hand, on the untrimmed batch: log_softmax(z / T)_y, with rows at 0.5, 1 and 2.
+    model, batch, allowed = model_and_batch
+    mixed = batch.select(list(range(len(batch))))
+    mixed.temperatures = torch.tensor([0.5, 1.0, 2.0] * (len(batch) // 3))
+    lp, _ = compute_log_probs(model, mixed, MicroBatching(4, padding_free=padding_free), allowed)
+    with torch.no_grad():
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids.transpose(0, 1),
+            use_cache=False,
+            logits_to_keep=RESPONSE + 1,
+            **merged_mm_inputs(batch),
+        )
+    logits = (out.logits[:, :-1].float() / mixed.temperatures[:, None, None]).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min
+    )
+    want = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses[..., None])[..., 0]
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(lp[mask], want[mask], rtol=0, atol=1e-5)

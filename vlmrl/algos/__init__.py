@@ -54,7 +54,7 @@ from vlmrl.algos.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from vlmrl.algos.logits import entropy_from_logits, logprobs_from_logits
+from vlmrl.algos.logits import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from vlmrl.algos.losses import (
     POLICY_LOSSES,
     LossAvgMode,
@@ -104,6 +104,7 @@ __all__ = [
     "grpo_passk_advantages",
     "kl_in_reward",
     "kl_penalty",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",

@@ -58,25 +58,33 @@ def forward_response(
     device = _device(model)
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
+    # lm_head runs only where a logit predicts a response token (logits_to_keep given as positions).
     if padding_free:
-        # lm_head runs only where a logit predicts a response token.
         out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)
-        temperature = batch.temperatures[layout.rows].to(device)[:, None]  # (K, 1)
-        logits = out.logits[0].float() / temperature  # (K, V)
+        temperatures = batch.temperatures[layout.rows][:, None]  # (K, 1)
+        logits = out.logits[0].float()  # (K, V)
         targets = layout.targets.to(device)  # (K,)
     else:
-        # Logits at positions P-1 .. P+r-2 predict the r kept response tokens.
-        out = model(**inputs, use_cache=False, logits_to_keep=layout.responses.shape[1] + 1, **mm)
-        temperature = batch.temperatures.to(device)[:, None, None]  # (b, 1, 1)
-        logits = out.logits[:, :-1, :].float() / temperature  # (b, r, V)
+        # Of the trimmed width S = P + r, the logits at positions P-1 .. S-2 predict the r kept response tokens.
+        width, r = inputs["input_ids"].shape[1], layout.responses.shape[1]
+        keep = torch.arange(width - r - 1, width - 1, device=device)
+        out = model(**inputs, use_cache=False, logits_to_keep=keep, **mm)
+        temperatures = batch.temperatures[:, None, None]  # (b, 1, 1)
+        logits = out.logits.float()  # (b, r, V)
         targets = layout.responses.to(device)  # (b, r)
+    # Dividing by 1 changes no logit and would cost a (tokens, vocab) copy, and its backward another.
+    if bool((temperatures != 1.0).any()):
+        logits = logits / temperatures.to(device)
     # finfo.min rather than -inf: masked entries then give p = 0 and p*log p = 0 in the entropy.
     logits = logits.masked_fill(~allowed_tokens.to(device), torch.finfo(logits.dtype).min)
-    log_probs = algos.logprobs_from_logits(logits, targets)  # (b, R) or (K,)
     entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = algos.entropy_from_logits(logits)  # (b, R) or (K,)
+    if with_entropy and not (entropy_grad and torch.is_grad_enabled()):
+        # The entropy as a metric: one log-softmax for both, each (b, R) or (K,).
+        log_probs, entropy = algos.logprobs_and_entropy(logits, targets)
+    else:
+        log_probs = algos.logprobs_from_logits(logits, targets)  # (b, R) or (K,)
+        if with_entropy:  # an entropy term in the loss: its own log-softmax, with its gradient
+            entropy = algos.entropy_from_logits(logits)
     shape = tuple(batch.responses.shape)
     if padding_free:
         log_probs = layout.unpack(log_probs, shape)
