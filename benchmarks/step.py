@@ -23,7 +23,8 @@ rounds (raw, vlmrl, raw): each round's reference and update passes are divided
 by the raw passes timed just before and just after, and ``ref_vs_raw`` and
 ``update_vs_raw`` are the means of the rounds' ratios. With ``--trl``, TRL's GRPOTrainer runs in every
 round too (first in odd rounds, last in even ones) and ``vlmrl_over_trl_samples_per_s`` is the mean of the
-rounds' ratios: one TRL run minutes away from vlmrl's measured the hour, not the tools. Each part runs in a
+rounds' ratios; (b) runs in every round as well, beside vlmrl, and ``rollout_efficiency`` is the mean of the
+rounds' ratios. One run minutes away from vlmrl's measured the hour, not the tools. Each part runs in a
 subprocess whose peak
 resident memory (the whole process tree, Ray's workers included) is sampled.
 Results go to ``<out>/step.json`` and ``<out>/step.md``.
@@ -403,7 +404,7 @@ def _mean_fields(dicts: list[dict]):
     return first
 
 
-def paired_rounds(rounds: list[dict]) -> list[dict]:
+def paired_rounds(rounds: list[dict], samples: int = 0) -> list[dict]:
     """Each round's vlmrl passes against the raw passes timed just before and just after it.
 
     The machine's speed drifts over minutes (other jobs, thermal state), so a raw figure from another minute
@@ -425,6 +426,18 @@ def paired_rounds(rounds: list[dict]) -> list[dict]:
                 "raw_update_s": raw_update,
                 "update_vs_raw": t.get("update_actor", 0.0) / raw_update,
                 "vlmrl_phase_s_by_step": [x["phase_s"] for x in r["vlmrl"]["log"]],
+                # In-loop generation against the round's raw vLLM run, in tokens/s (vlmrl's responses may stop
+                # at EOS; the raw run's never do).
+                **(
+                    {
+                        "vlmrl_gen_s": t["gen"],
+                        "raw_gen_s": r["vllm"]["gen_s"],
+                        "rollout_efficiency": (r["vlmrl"]["response_length_mean"] * samples / t["gen"])
+                        / (r["vllm"]["gen_tokens"] / r["vllm"]["gen_s"]),
+                    }
+                    if r.get("vllm") and samples
+                    else {}
+                ),
                 # Both sides run the same samples a step, so the samples/s ratio is TRL's step over vlmrl's.
                 **(
                     {"trl_step_s": r["trl"]["trl_step_s"], "vlmrl_over_trl": r["trl"]["trl_step_s"] / t["step"]}
@@ -436,13 +449,13 @@ def paired_rounds(rounds: list[dict]) -> list[dict]:
     return out
 
 
-def _trl_ratio(vlmrl_samples_per_s: float, trl: dict, rounds: list[dict] | None) -> float:
-    """vlmrl / TRL samples/s: the mean of the rounds' ratios when TRL ran in every round beside vlmrl, else
-    the ratio of the two means."""
-    paired = [r["vlmrl_over_trl"] for r in rounds or [] if "vlmrl_over_trl" in r]
+def _paired_mean(key: str, rounds: list[dict] | None, unpaired: float) -> float:
+    """The mean of the rounds' ``key`` ratios when every round has one (its two sides timed in the same
+    minutes), else ``unpaired``, the ratio of the means."""
+    paired = [r[key] for r in rounds or [] if key in r]
     if paired and len(paired) == len(rounds or []):
         return statistics.fmean(paired)
-    return vlmrl_samples_per_s / trl["trl_samples_per_s"]
+    return unpaired
 
 
 def summarise(
@@ -518,12 +531,21 @@ def summarise(
         "padding_response_share": samples * (args.response_length - a["response_length_mean"]) / a["padded_tokens"],
         "raw_gen_tokens_per_s": raw_tps,
         "vlmrl_gen_tokens_per_s": loop_tps,
-        "rollout_efficiency": loop_tps / raw_tps,
+        "rollout_efficiency": _paired_mean("rollout_efficiency", rounds, loop_tps / raw_tps),
         "resync_share": t.get("update_weights", 0.0) / step,
         "phase_s_vlmrl_vs_raw": {k: {"vlmrl": v[0], "raw": v[1]} for k, v in breakdown.items()},
         "peak_rss_mib": rss,
         "vlmrl_log": a["log"],
-        **({**trl, "vlmrl_over_trl_samples_per_s": _trl_ratio(samples / step, trl, rounds)} if trl else {}),
+        **(
+            {
+                **trl,
+                "vlmrl_over_trl_samples_per_s": _paired_mean(
+                    "vlmrl_over_trl", rounds, (samples / step) / trl["trl_samples_per_s"]
+                ),
+            }
+            if trl
+            else {}
+        ),
         # Issue 17's pass goals, from the paired rounds (mean of the rounds' ratios).
         "rounds": rounds or [],
         **(
@@ -585,19 +607,25 @@ def markdown(r: dict) -> str:
     if r.get("rounds"):
         lines += [
             "",
-            "Paired rounds (raw HF passes just before and just after each vlmrl run; raw = their mean; TRL, when it "
-            "ran, in the same round, before vlmrl in odd rounds and after in even ones):",
+            "Paired rounds (raw HF passes just before and just after each vlmrl run, raw = their mean; raw vLLM just "
+            "before vlmrl in odd rounds and just after in even ones; TRL, when it ran, first in odd rounds and last in "
+            "even ones):",
             "",
             "| round | vlmrl step (s) | ref vlmrl / raw (s) | ref ratio | update vlmrl / raw (s) | update ratio "
-            "| TRL step (s) | vlmrl / TRL |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| gen vlmrl / raw vLLM (s) | rollout efficiency | TRL step (s) | vlmrl / TRL |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for i, x in enumerate(r["rounds"], 1):
+            gen_cells = (
+                f"{x['vlmrl_gen_s']:.3f} / {x['raw_gen_s']:.3f} | {x['rollout_efficiency']:.3f}"
+                if "rollout_efficiency" in x
+                else " | "
+            )
             trl_cells = f"{x['trl_step_s']:.2f} | {x['vlmrl_over_trl']:.3f}" if "trl_step_s" in x else " | "
             lines.append(
                 f"| {i} | {x['vlmrl_step_s']:.2f} | {x['vlmrl_ref_s']:.3f} / {x['raw_ref_s']:.3f} | "
                 f"{x['ref_vs_raw']:.3f} | {x['vlmrl_update_s']:.3f} / {x['raw_update_s']:.3f} | {x['update_vs_raw']:.3f} "
-                f"| {trl_cells} |"
+                f"| {gen_cells} | {trl_cells} |"
             )
     prof = r.get("vlmrl_gen_profile_s") or {}
     if prof:
@@ -757,26 +785,29 @@ def main(argv=None) -> dict | None:
         # so a drift of the machine's speed over the run falls on both sides alike.
         trl_first = want_trl and i % 2 == 0
         trl_last = want_trl and i % 2 == 1
-        order = ["TRL"] * trl_first + ["raw hf", "(a) vlmrl steps", "raw hf"] + ["TRL"] * trl_last
+        middle = ["raw vllm", "(a) vlmrl steps"] if i % 2 == 0 else ["(a) vlmrl steps", "raw vllm"]
+        order = ["TRL"] * trl_first + ["raw hf", *middle, "raw hf"] + ["TRL"] * trl_last
         print(f"round {i + 1}/{args.rounds}: {', '.join(order)} ...", flush=True)
         trl_round = trl_part(str(i)) if trl_first else None
         before = raw_part("hf", f"{i}-before")
+        vllm_round = raw_part("vllm", str(i)) if i % 2 == 0 else None
         a = run_vlmrl(args, work)
         rss["vlmrl (driver + Ray + worker)"] = max(rss.get("vlmrl (driver + Ray + worker)", 0.0), a["peak_rss_mib"])
+        if vllm_round is None:
+            vllm_round = raw_part("vllm", str(i))
         after = raw_part("hf", f"{i}-after")
         if trl_last:
             trl_round = trl_part(str(i))
-        rounds.append({"vlmrl": a, "hf_before": before, "hf_after": after, "trl": trl_round})
+        rounds.append({"vlmrl": a, "hf_before": before, "hf_after": after, "vllm": vllm_round, "trl": trl_round})
     a = _mean_fields([r["vlmrl"] for r in rounds])
     hf = _mean_fields([r[k] for r in rounds for k in ("hf_before", "hf_after")])
-    print("raw vllm ...", flush=True)
-    parts = {"vllm": raw_part("vllm", "0"), "hf": hf}
+    parts = {"vllm": _mean_fields([r["vllm"] for r in rounds]), "hf": hf}
     trl = None
     if want_trl:
         # The step time is the rounds' mean; the losses shown beside vlmrl's are the last round's.
         trl = {**rounds[-1]["trl"], "trl_step_s": statistics.fmean(r["trl"]["trl_step_s"] for r in rounds)}
         trl["trl_samples_per_s"] = args.prompts * args.n / trl["trl_step_s"]
-    report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl, paired_rounds(rounds))
+    report = summarise(args, a, parts["vllm"], parts["hf"], rss, trl, paired_rounds(rounds, args.prompts * args.n))
     shutil.rmtree(work, ignore_errors=True)
     name = "step_smoke" if args.smoke else "step"
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

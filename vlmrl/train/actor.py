@@ -58,19 +58,19 @@ def forward_response(
     device = _device(model)
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
-    # lm_head runs only where a logit predicts a response token (logits_to_keep given as positions).
     if padding_free:
+        # lm_head runs only where a logit predicts a response token.
         out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)
         temperatures = batch.temperatures[layout.rows][:, None]  # (K, 1)
         logits = out.logits[0].float()  # (K, V)
         targets = layout.targets.to(device)  # (K,)
     else:
-        # Of the trimmed width S = P + r, the logits at positions P-1 .. S-2 predict the r kept response tokens.
-        width, r = inputs["input_ids"].shape[1], layout.responses.shape[1]
-        keep = torch.arange(width - r - 1, width - 1, device=device)
-        out = model(**inputs, use_cache=False, logits_to_keep=keep, **mm)
+        # Logits at positions P-1 .. P+r-2 predict the r kept response tokens. (Asking for exactly those r
+        # positions would spare the backward a zeroed (b, r+1, V) gradient, but the lm_head's weight gradient
+        # then sums its rows in another order: last-bit differences that change a seeded run's samples.)
+        out = model(**inputs, use_cache=False, logits_to_keep=layout.responses.shape[1] + 1, **mm)
         temperatures = batch.temperatures[:, None, None]  # (b, 1, 1)
-        logits = out.logits.float()  # (b, r, V)
+        logits = out.logits[:, :-1, :].float()  # (b, r, V)
         targets = layout.responses.to(device)  # (b, r)
     # Dividing by 1 changes no logit and would cost a (tokens, vocab) copy, and its backward another.
     if bool((temperatures != 1.0).any()):
