@@ -761,7 +761,9 @@ def main(argv=None) -> dict | None:
         rss[f"raw {part}"] = max(rss.get(f"raw {part}", 0.0), peak)
         return json.loads(result.read_text())
 
-    want_trl = args.trl == "yes" or (args.trl == "auto" and not args.smoke and importlib.util.find_spec("trl"))
+    want_trl = args.trl == "yes" or (
+        args.trl == "auto" and not args.smoke and importlib.util.find_spec("trl") is not None
+    )
 
     def trl_part(tag: str) -> dict:
         result = work / f"trl-{tag}.json"
@@ -781,8 +783,9 @@ def main(argv=None) -> dict | None:
 
     rounds = []
     for i in range(args.rounds):
-        # TRL, when it runs, is timed in every round beside vlmrl: first in even rounds, last in odd ones,
-        # so a drift of the machine's speed over the run falls on both sides alike.
+        # TRL, when it runs, is timed in every round beside vlmrl, first in rounds 1, 3, ... and last in rounds
+        # 2, 4, ..., and raw vLLM just before vlmrl or just after it, so a drift of the machine's speed over the
+        # run falls on both sides alike.
         trl_first = want_trl and i % 2 == 0
         trl_last = want_trl and i % 2 == 1
         middle = ["raw vllm", "(a) vlmrl steps"] if i % 2 == 0 else ["(a) vlmrl steps", "raw vllm"]
