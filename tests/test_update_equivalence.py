@@ -138,6 +138,23 @@ def assert_same_gradients(model, got, want):
         torch.testing.assert_close(a, f, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def full_logits(model, batch, allowed, temperatures=None):
+    """By hand: one forward over the whole untrimmed padded layout, the (b, R, V) logits that predict the response
+    tokens, divided by each row's temperature if given, the tokens no response may hold at the float32 minimum."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids.transpose(0, 1),
+        use_cache=False,
+        logits_to_keep=RESPONSE + 1,
+        **merged_mm_inputs(batch),
+    )
+    logits = out.logits[:, :-1].float()
+    if temperatures is not None:
+        logits = logits / temperatures[:, None, None]
+    return logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
 def test_padding_free_log_probs_equal_the_padded_ones(model_and_batch):
     model, batch, allowed = model_and_batch
     share = 1 - float(batch.attention_mask.sum()) / batch.attention_mask.numel()
@@ -192,15 +209,7 @@ def test_micro_batches_skip_the_columns_every_row_pads(model_and_batch):
     # layout, by hand, as the actor ran it before trimming.
     trimmed_lp, _ = compute_log_probs(model, batch, MicroBatching(2), allowed)
     with torch.no_grad():
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids.transpose(0, 1),
-            use_cache=False,
-            logits_to_keep=RESPONSE + 1,
-            **merged_mm_inputs(batch),
-        )
-    logits = out.logits[:, :-1].float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+        logits = full_logits(model, batch, allowed)
     full_lp = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses[..., None])[..., 0]
     mask = batch.response_mask.bool()
     torch.testing.assert_close(trimmed_lp[mask], full_lp[mask], rtol=0, atol=1e-5)
@@ -294,16 +303,7 @@ def test_an_entropy_term_in_the_loss_gets_the_entropy_gradient(model_and_batch):
     (bonus * mask).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids.transpose(0, 1),
-        use_cache=False,
-        logits_to_keep=RESPONSE + 1,
-        **merged_mm_inputs(batch),
-    )
-    logits = out.logits[:, :-1].float().masked_fill(~allowed, torch.finfo(torch.float32).min)
-    (entropy_from_logits(logits) * mask).sum().backward()
+    (entropy_from_logits(full_logits(model, batch, allowed)) * mask).sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     assert_same_gradients(model, got, want)
@@ -318,17 +318,7 @@ def test_log_probs_are_of_each_rows_sampling_temperature(model_and_batch, paddin
     mixed.temperatures = torch.tensor([0.5, 1.0, 2.0] * (len(batch) // 3))
     lp, _ = compute_log_probs(model, mixed, MicroBatching(4, padding_free=padding_free), allowed)
     with torch.no_grad():
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids.transpose(0, 1),
-            use_cache=False,
-            logits_to_keep=RESPONSE + 1,
-            **merged_mm_inputs(batch),
-        )
-    logits = (out.logits[:, :-1].float() / mixed.temperatures[:, None, None]).masked_fill(
-        ~allowed, torch.finfo(torch.float32).min
-    )
+        logits = full_logits(model, batch, allowed, mixed.temperatures)
     want = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses[..., None])[..., 0]
     mask = batch.response_mask.bool()
     torch.testing.assert_close(lp[mask], want[mask], rtol=0, atol=1e-5)

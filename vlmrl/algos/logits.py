@@ -56,7 +56,7 @@ def _both_2d(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
     logp = torch.log_softmax(logits, dim=-1)
     log_probs = logp.gather(-1, labels[:, None]).squeeze(-1)
     with torch.no_grad():
-        entropy = _entropy_of(logp.detach())
+        entropy = _entropy_of(logp)
     return log_probs, entropy
 
 
