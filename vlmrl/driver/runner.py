@@ -91,7 +91,6 @@ class Runner:
 
     def run(self, config: Config, plan: Plan, hooks: RunHooks | None = None) -> None:
         from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
-        from vlmrl.driver.loop import TrainingLoop
         from vlmrl.driver.resume import check_resume
         from vlmrl.driver.reward_model import reward_model_link, start_reward_model
         from vlmrl.driver.scoring import start_scorers
@@ -117,14 +116,21 @@ class Runner:
             if finished:
                 print(finished, flush=True)
                 return
-        # The workers start (a minute or more) while the data is read and the reward actors start.
-        # Their class is imported here first: transformers' lazy imports are not safe from two threads.
+        # The workers start (a minute or more) while this process imports the step loop, reads the data and
+        # starts the reward actors. What the starting thread imports is imported here first, as transformers'
+        # lazy imports are not safe from two threads: the workers' class (which leaves its roles' imports to
+        # the worker processes, so this is quick) and, disaggregated, the rollout servers' module.
         import vlmrl.workers.hybrid  # noqa: F401
+
+        if plan.rollout_servers:
+            import vlmrl.workers.rollout_pool  # noqa: F401
 
         background = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-start")
         starting = background.submit(WorkerGroup, config, plan)
         background.shutdown(wait=False)
         try:
+            from vlmrl.driver.loop import TrainingLoop  # transformers, scipy: seconds, beside the workers
+
             judge = start_reward_model(config, plan)  # a separate reward model loads beside the workers
             train_loader, val_loader = loaders or self._loaders(config)
             reward, validation = config.worker.reward, val_loader is not None

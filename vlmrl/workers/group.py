@@ -36,7 +36,6 @@ from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
 from vlmrl.rollout.engine import Sampling
 from vlmrl.workers.rollout_batch import rollout_batch, with_prompt_media
-from vlmrl.workers.rollout_pool import RolloutPool, start_servers
 from vlmrl.workers.store import PassInput
 
 if TYPE_CHECKING:
@@ -184,6 +183,9 @@ class WorkerGroup:
     """The driver's handle on the hybrid workers: one generic scatter / call / gather, and the step's calls on it."""
 
     def __init__(self, config: Config, plan: Plan):
+        # Light on purpose: the workers' class imports what its roles need in the worker processes, so the
+        # driver starts them without first importing transformers and vLLM's neighbours itself (the Runner
+        # imports those while the workers start; vlmrl.driver.runner).
         from vlmrl.workers.hybrid import HybridWorker
 
         self.config = config
@@ -202,7 +204,11 @@ class WorkerGroup:
         }
         # Disaggregated: the rollout servers start first, beside the workers, which build no engine and push
         # their weights to these handles.
-        servers = start_servers(config, plan) if plan.rollout_servers else []
+        servers = []
+        if plan.rollout_servers:
+            from vlmrl.workers.rollout_pool import RolloutPool, start_servers
+
+            servers = start_servers(config, plan)
         remote_cls = ray.remote(HybridWorker)
         self.workers = [
             remote_cls.options(
