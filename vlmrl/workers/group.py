@@ -184,7 +184,7 @@ class WorkerGroup:
 
     def __init__(self, config: Config, plan: Plan):
         # Light on purpose: the workers' class imports what its roles need in the worker processes, so the
-        # driver starts them without first importing transformers and vLLM's neighbours itself (the Runner
+        # driver starts them without first importing transformers, torchvision and SciPy itself (the Runner
         # imports those while the workers start; vlmrl.driver.runner).
         from vlmrl.workers.hybrid import HybridWorker
 
