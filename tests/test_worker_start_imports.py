@@ -1,0 +1,28 @@
+"""The Runner creates the workers before it imports the heavy libraries (vlmrl.driver.runner).
+
+It imports the worker class (``vlmrl.workers.hybrid``) and the group (``vlmrl.workers.group``) before it starts
+them, from the thread that starts them while the main thread imports the step loop. So those two modules must
+not import transformers (whose lazy imports are not safe from two threads, and which takes seconds) or vLLM at
+import time: their roles' modules are imported in the worker's own process, where they are used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_worker_class_and_group_import_without_transformers_or_vllm():
+    probe = (
+        "import json, sys\n"
+        "import vlmrl.workers.group, vlmrl.workers.hybrid\n"
+        "from vlmrl.workers.hybrid import HybridWorker\n"
+        "print(json.dumps(sorted(m for m in ('transformers', 'vllm', 'torchvision', 'scipy') if m in sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
