@@ -168,6 +168,7 @@ def run_vlmrl(args, work: Path) -> dict:
         # The reward TRL's side uses too: an exact answer never comes out of the random model.
         f"worker.reward.reward_function={ROOT / 'benchmarks' / 'colour_reward.py'}:compute_score",
         f"worker.actor.padding_free={str(args.padding_free).lower()}",
+        f"worker.actor.share_prompts={str(args.share_prompts).lower()}",
         f"worker.rollout.calculate_log_probs={str(args.rollout_log_probs).lower()}",
         f"data.rollout_batch_size={args.prompts}",
         f"worker.rollout.n={args.n}",
@@ -493,6 +494,7 @@ def summarise(
             "cpu_cores": os.cpu_count(),
         },
         "vlmrl_padding_free": args.padding_free,
+        "vlmrl_share_prompts": args.share_prompts,
         "rollout_log_probs": args.rollout_log_probs,
         "vlmrl_step_s": step,
         "vlmrl_timing_s": t,
@@ -571,7 +573,7 @@ def markdown(r: dict) -> str:
         (
             f"Shape: {s['prompts']} prompts x {s['n']} samples, responses up to {s['response_length']} tokens, "
             f"prompts padded to {s['max_prompt_length']}; {s['cpu_cores']} CPU cores; mean of {s['measured_steps']} "
-            f"steps after {s['warmup_steps']} warm-up; vlmrl padding-free: {r['vlmrl_padding_free']}; rollout log-probs: {r['rollout_log_probs']}. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
+            f"steps after {s['warmup_steps']} warm-up; vlmrl padding-free: {r['vlmrl_padding_free']}; vlmrl shared prompts: {r.get('vlmrl_share_prompts', False)}; rollout log-probs: {r['rollout_log_probs']}. vlmrl's mean response length: {r['vlmrl_response_length_mean']:.1f} tokens "
             f"(ignore_eos on both sides)."
         ),
         "",
@@ -689,6 +691,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=(
             "vlmrl with worker.actor.padding_free (packed log-prob and update passes); off by default, "
             "like vlmrl's own default: on CPU the packed row's dense block-causal SDPA mask makes it slower"
+        ),
+    )
+    ap.add_argument(
+        "--share-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=(
+            "vlmrl with worker.actor.share_prompts (each distinct prompt of a micro-batch once in the log-prob and "
+            "update passes); off by default, like vlmrl's own default. The raw HF passes stay the full padded ones"
         ),
     )
     ap.add_argument(

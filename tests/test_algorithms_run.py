@@ -81,6 +81,8 @@ VARIANTS = {
     ],
     "grpo_online_filtering": ["algorithm.online_filtering=true", "algorithm.filter_key=overall"],
     "grpo_two_epochs": ["worker.actor.ppo_epochs=2"],
+    # The update's micro-batch holds both prompts' rows: each prompt runs once, through the FSDP2 worker.
+    "grpo_shared_prompts": ["worker.actor.share_prompts=true"],
 }
 
 

@@ -975,6 +975,18 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
                 f"worker.actor.ulysses_size=2 (sequence parallelism): {TODO}",
             ],
         ),
+        (
+            [
+                "worker.actor.share_prompts=true",
+                "worker.actor.padding_free=true",
+                "worker.actor.model.enable_gradient_checkpointing=true",
+            ],
+            CPU,
+            [
+                "worker.actor.share_prompts=true with worker.actor.padding_free=true: prompts are shared in the padded",
+                "worker.actor.share_prompts=true with worker.actor.model.enable_gradient_checkpointing=true: shared",
+            ],
+        ),
         # LoRA (the actor's)
         (
             ["worker.actor.model.lora.rank=-1"],

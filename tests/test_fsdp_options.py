@@ -403,3 +403,43 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_assets, mesh, batc
     # Two updates of 2 micro-batches; checkpointing runs each layer's forward again in the backward.
     assert len(calls) == 2 * 2 * 2
     assert_same_training(result, default_training)
+
+
+def test_shared_prompts_train_like_the_full_padded_passes(tiny_assets, mesh, batch_and_mask, monkeypatch):
+    """``share_prompts`` runs the prompt and the responses as two forwards of the sharded model before one
+    backward: FSDP2 must gather for both and reduce the gradient both contribute to the prompt's states."""
+    import dataclasses
+
+    from vlmrl.train import shared_prompts
+
+    prompt_passes = []
+    original = shared_prompts.prompt_logits_and_cache
+
+    def counted(model, **kwargs):
+        prompt_passes.append(kwargs["input_ids"].shape[0])
+        return original(model, **kwargs)
+
+    monkeypatch.setattr(shared_prompts, "prompt_logits_and_cache", counted)
+    both = dataclasses.replace(SETTINGS, micro_batch_size=PROMPTS * N)  # the rows of the prompt together
+    results = {}
+    for share in (False, True):
+        model = sharded(tiny_assets, mesh, FSDPConfig())
+        batch, allowed = batch_and_mask
+        optimizer = adamw(model)
+        settings = dataclasses.replace(both, share_prompts=share)
+        metrics = update_policy(model, optimizer, batch, settings, allowed).metrics
+        grads = {name: local(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+        results[share] = (metrics, grads)
+    assert prompt_passes == [PROMPTS]  # shared only when asked: the one prompt once
+    # The gradients of one update: the same sums in another order, so equal to float rounding. (Not the weights
+    # after AdamW, whose first steps are about lr x sign(gradient): a near-zero gradient's rounding moves them.)
+    (shared_metrics, shared_grads), (full_metrics, full_grads) = results[True], results[False]
+    assert shared_metrics["actor/pg_loss"] == pytest.approx(full_metrics["actor/pg_loss"], rel=1e-5)
+    assert shared_metrics["actor/grad_norm"] == pytest.approx(full_metrics["actor/grad_norm"], rel=1e-5)
+    assert shared_grads.keys() == full_grads.keys() and any(g.abs().sum() > 0 for g in full_grads.values())
+    for name, g in full_grads.items():
+        # Against each tensor's largest entry: an embedding row a prompt token and a response token both reach
+        # sums gradients of opposite sign, and its few cancelling entries carry the rounding (measured: at most
+        # 4e-6 of the largest entry, in any tensor).
+        error = float((shared_grads[name] - g).abs().max())
+        assert error <= 1e-5 * float(g.abs().max()), (name, error, float(g.abs().max()))

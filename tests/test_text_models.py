@@ -164,6 +164,21 @@ def test_text_log_probs_are_the_same_padded_and_packed_and_match_a_plain_forward
         torch.testing.assert_close(padded[row, :n], expected, rtol=0, atol=1e-5)
 
 
+def test_text_log_probs_are_the_same_with_shared_prompts(text_model_and_batch):
+    """``share_prompts`` on a text model: plain (b, S) positions, each prompt once, its two rows on its cache."""
+    from vlmrl.train.micro_batches import TokenCount
+
+    _, model, batch, allowed = text_model_and_batch
+    mask = batch.response_mask.bool()
+    full_tokens, shared_tokens = TokenCount(), TokenCount()
+    padded, _ = compute_log_probs(model, batch, MicroBatching(len(batch)), allowed, tokens=full_tokens)
+    shared, _ = compute_log_probs(
+        model, batch, MicroBatching(len(batch), share_prompts=True), allowed, tokens=shared_tokens
+    )
+    torch.testing.assert_close(shared[mask], padded[mask], rtol=0, atol=1e-5)
+    assert shared_tokens.computed < full_tokens.computed  # three prompts ran once each, not twice
+
+
 def test_a_text_critic_values_are_the_same_padded_and_packed(text_model_and_batch):
     model_dir, _, batch, _ = text_model_and_batch
     critic = ValueModel.from_pretrained(str(model_dir), torch.float32, trust_remote_code=False)

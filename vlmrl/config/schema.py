@@ -286,6 +286,10 @@ class ActorConfig:
     padding_free: bool = False
     """Pack each micro-batch's real tokens into one row, with per-sequence positions, instead of padding
     (EasyR1's default is true); the same log-probs and gradients, less compute. Qwen2/2.5/3-VL."""
+    share_prompts: bool = False
+    """vlmrl addition: the padded log-prob and update passes run each distinct prompt of a micro-batch once and
+    its samples' responses on its cached keys and values; the same log-probs and gradients up to float rounding,
+    less compute. Not with padding_free or enable_gradient_checkpointing."""
     dynamic_batching: bool = False
     """Form micro-batches by a token budget instead of a fixed sample count (EasyR1's default is true)."""
     max_token_len_per_device_for_update: int | None = None

@@ -17,7 +17,8 @@ checkpoint less its LM head) and T tokens (prompt + response, image tokens
 included, over all samples of the step's batch). Attention's own FLOPs, the
 vision tower's patches before merging, the prefix caching of the rollout and
 generation whose samples the batch does not keep (online filtering's dropped
-groups, ReMax's greedy baseline) are left out.
+groups, ReMax's greedy baseline) are left out, and so is the saving of
+``worker.actor.share_prompts`` (a prompt's positions count once per sample).
 ``perf/mfu`` divides that by (seconds of the step x workers x peak FLOP/s of one
 device); ``perf/mfu/actor`` and ``perf/mfu/critic`` do the same for the actor's
 and the critic's update pass alone.

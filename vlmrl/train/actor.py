@@ -24,7 +24,7 @@ from vlmrl.algos import DecoupledParams, KLEstimator, LossAvgMode, PolicyLossPar
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
-from vlmrl.train import packing
+from vlmrl.train import packing, shared_prompts
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs
 from vlmrl.train.update_loop import rollout_shares, run_epochs
@@ -41,6 +41,8 @@ def forward_response(
     entropy_grad: bool = False,
     padding_free: bool = False,
     with_entropy: bool = True,
+    share_prompts: bool = False,
+    tokens: TokenCount | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of the response tokens under ``model``.
 
@@ -53,18 +55,35 @@ def forward_response(
     past every row's last response token are 0 (trimmed, see
     ``packing.trim``) and the others whatever the padding tokens give. Either
     way ``response_mask`` drops them. ``with_entropy=False`` skips the entropy
-    (None), for passes that discard it (the reference's).
+    (None), for passes that discard it (the reference's). ``share_prompts``
+    (padded only): each distinct prompt through the model once
+    (``vlmrl.train.shared_prompts``). ``tokens``, if given, counts the pass's
+    real and computed token positions.
     """
     device = _device(model)
-    mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
-    if padding_free:
+    shared = None
+    if share_prompts and not padding_free:
+        prompt_columns = layout.input_ids.shape[1] - layout.responses.shape[1]
+        shared = shared_prompts.find(batch, prompt_columns, shared_prompts.media_token_ids(model))
+    if tokens is not None:
+        if shared is None:
+            tokens.add(batch, padding_free)
+        else:
+            tokens.add_counts(*shared_prompts.computed_tokens(layout, shared))
+    if shared is not None:
+        logits = shared_prompts.forward(model, inputs, batch.mm_inputs, shared, prompt_columns).float()  # (b, r, V)
+        temperatures = batch.temperatures[:, None, None]  # (b, 1, 1)
+        targets = layout.responses.to(device)  # (b, r)
+    elif padding_free:
+        mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
         # lm_head runs only where a logit predicts a response token.
         out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)
         temperatures = batch.temperatures[layout.rows][:, None]  # (K, 1)
         logits = out.logits[0].float()  # (K, V)
         targets = layout.targets.to(device)  # (K,)
     else:
+        mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
         # Logits at positions P-1 .. P+r-2 predict the r kept response tokens. (Asking for exactly those r
         # positions would spare the backward a zeroed (b, r+1, V) gradient, but the lm_head's weight gradient
         # then sums its rows in another order: last-bit differences that change a seeded run's samples.)
@@ -115,13 +134,17 @@ def compute_log_probs(
     for rows in batching.groups(batch):
         mb = batch.select(rows)
         lp, ent = forward_response(
-            model, mb, allowed_tokens, padding_free=batching.padding_free, with_entropy=with_entropy
+            model,
+            mb,
+            allowed_tokens,
+            padding_free=batching.padding_free,
+            with_entropy=with_entropy,
+            share_prompts=batching.share_prompts,
+            tokens=tokens,
         )
         log_probs[rows] = lp.cpu()
         if entropy is not None:
             entropy[rows] = ent.cpu()
-        if tokens is not None:
-            tokens.add(mb, batching.padding_free)
     return log_probs, entropy
 
 
@@ -144,6 +167,8 @@ class UpdateSettings:
     max_token_len: int | None = None
     """Dynamic batching: token budget of an update micro-batch; None: micro_batch_size samples."""
     padding_free: bool = False
+    share_prompts: bool = False
+    """Padded passes run each distinct prompt of a micro-batch once (``vlmrl.train.shared_prompts``)."""
     lr_schedule: LRSchedule | None = None
     """The learning rate of each update; None keeps the optimizer's (optim.lr)."""
     decoupled: DecoupledParams | None = None
@@ -174,7 +199,7 @@ class UpdateSettings:
 
     @property
     def batching(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free)
+        return MicroBatching(self.micro_batch_size, self.max_token_len, self.padding_free, self.share_prompts)
 
     @classmethod
     def from_config(cls, config: Config, plan: Plan, training_steps: int | None = None) -> UpdateSettings:
@@ -201,6 +226,7 @@ class UpdateSettings:
             kl_coef=algo.kl_coef,
             max_token_len=plan.update_token_budget,
             padding_free=actor.padding_free,
+            share_prompts=actor.share_prompts,
             lr_schedule=None if training_steps is None else LRSchedule.from_optim(actor.optim, training_steps),
             decoupled=DecoupledParams(
                 behaviour_weight_cap=actor.behaviour_weight_cap,
@@ -295,9 +321,14 @@ def update_policy(
 
     def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, entropy = forward_response(
-            model, mb, allowed_tokens, entropy_grad=settings.entropy_coeff != 0, padding_free=settings.padding_free
+            model,
+            mb,
+            allowed_tokens,
+            entropy_grad=settings.entropy_coeff != 0,
+            padding_free=settings.padding_free,
+            share_prompts=settings.share_prompts,
+            tokens=tokens,
         )
-        tokens.add(mb, settings.padding_free)
         nonlocal seen
         device = log_probs.device
         mask = mb.response_mask.to(device)

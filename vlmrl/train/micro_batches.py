@@ -39,6 +39,8 @@ class MicroBatching:
     """Dynamic batching: the token budget of a pass (real tokens, prompt + response); None: fixed micro-batches."""
     padding_free: bool = False
     """Pack each micro-batch's real tokens into one row instead of running the padded layout."""
+    share_prompts: bool = False
+    """Padded passes run each distinct prompt of a micro-batch once (``vlmrl.train.shared_prompts``)."""
 
     def groups(self, batch: Batch) -> list[list[int]]:
         """Sample indices of each micro-batch; a collective (all ranks call it) with dynamic batching."""
@@ -47,7 +49,16 @@ class MicroBatching:
         if self.max_token_len is None:
             # Rows of similar length share a micro-batch, so trimming the columns every row pads removes most
             # padding. Accumulation is exact, so grouping changes no result beyond float rounding.
-            order = sorted(range(n), key=lambda i: lengths[i])
+            key = lambda i: lengths[i]  # noqa: E731
+            if self.share_prompts:
+                # A prompt's rows side by side (groups ordered by their longest row), so that a micro-batch
+                # holds the rows it can run on one prompt pass; the responses then pad to their group's longest.
+                groups = batch.group_ids.tolist()
+                longest: dict[int, int] = {}
+                for g, length in zip(groups, lengths):
+                    longest[g] = max(longest.get(g, 0), length)
+                key = lambda i: (longest[groups[i]], groups[i], lengths[i])  # noqa: E731
+            order = sorted(range(n), key=key)
             return [order[i : i + self.micro_batch_size] for i in range(0, n, self.micro_batch_size)]
         parts = torch.tensor(parts_for_budget(lengths, self.max_token_len))
         if dist.is_available() and dist.is_initialized():
@@ -76,8 +87,11 @@ class TokenCount:
     computed: int = 0
 
     def add(self, batch: Batch, padding_free: bool) -> None:
-        self.real += int(batch.attention_mask.sum())
-        self.computed += computed_tokens(batch, padding_free)
+        self.add_counts(int(batch.attention_mask.sum()), computed_tokens(batch, padding_free))
+
+    def add_counts(self, real: int, computed: int) -> None:
+        self.real += real
+        self.computed += computed
 
     @property
     def padding_share(self) -> float:

@@ -231,6 +231,18 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             "runs its tools in each worker, and the workers of a tensor-parallel engine must send it the same "
             "requests; set worker.rollout.tensor_parallel_size=1 for multi-turn rollouts"
         )
+    actor = config.worker.actor
+    if actor.share_prompts and actor.padding_free:
+        problems.append(
+            "worker.actor.share_prompts=true with worker.actor.padding_free=true: prompts are shared in the padded "
+            "passes (a packed row would need a block mask over the whole row); set one of them false"
+        )
+    if actor.share_prompts and actor.model.enable_gradient_checkpointing:
+        problems.append(
+            "worker.actor.share_prompts=true with worker.actor.model.enable_gradient_checkpointing=true: shared "
+            "prompts keep their keys and values in transformers' cache, which gradient checkpointing drops; set "
+            "one of them false"
+        )
     sections = [("worker.actor", config.worker.actor)]
     if uses_critic(config):
         sections.append(("worker.critic", config.worker.critic))

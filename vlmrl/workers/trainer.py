@@ -165,7 +165,10 @@ class TrainerWorker:
         self.allowed_tokens = sampling_mask(self.tokenizer, self.actor.config.get_text_config().vocab_size)
         """The tokens a response may hold; the log-probs are restricted to them as the rollout's sampling is."""
         self.experience_batching = MicroBatching(
-            actor_cfg.micro_batch_size_per_device_for_experience, plan.experience_token_budget, actor_cfg.padding_free
+            actor_cfg.micro_batch_size_per_device_for_experience,
+            plan.experience_token_budget,
+            actor_cfg.padding_free,
+            actor_cfg.share_prompts,
         )
         self.experience_tokens = TokenCount()
         """Tokens of the log-prob passes since the last update, for its padding metric."""
