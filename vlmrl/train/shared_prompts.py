@@ -44,10 +44,6 @@ class SharedPrompts:
     where: torch.Tensor
     """(b,) each row's distinct prompt: an index into ``firsts``."""
 
-    @property
-    def distinct(self) -> int:
-        return len(self.firsts)
-
 
 def media_token_ids(model: torch.nn.Module) -> list[int]:
     """The image and video placeholder token ids of a Qwen-VL ``model`` (none for a text model)."""
