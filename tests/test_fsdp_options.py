@@ -410,16 +410,9 @@ def test_shared_prompts_train_like_the_full_padded_passes(tiny_assets, mesh, bat
     backward: FSDP2 must gather for both and reduce the gradient both contribute to the prompt's states."""
     import dataclasses
 
-    from vlmrl.train import shared_prompts
+    from helpers.tiny_families import count_prompt_passes
 
-    prompt_passes = []
-    original = shared_prompts.prompt_logits_and_cache
-
-    def counted(model, **kwargs):
-        prompt_passes.append(kwargs["input_ids"].shape[0])
-        return original(model, **kwargs)
-
-    monkeypatch.setattr(shared_prompts, "prompt_logits_and_cache", counted)
+    prompt_passes = count_prompt_passes(monkeypatch)
     both = dataclasses.replace(SETTINGS, micro_batch_size=PROMPTS * N)  # the rows of the prompt together
     results = {}
     for share in (False, True):

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from helpers.tiny_families import FAMILIES, family_prompts
+from transformers import AutoModelForImageTextToText
 
-from vlmrl.data.dataset import RLHFDataset
 from vlmrl.records import Trajectory
 from vlmrl.records.views import to_batch
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train.actor import forward_response
 from vlmrl.train.image_features import distinct_images, share_image_features
 
-MIN_PIXELS, MAX_PIXELS = 3136, 12544
 SAMPLES = 3  # per prompt: each prompt's image is in the batch three times
 
 
@@ -46,19 +43,12 @@ def test_distinct_images_tells_apart_images_with_equal_fingerprints():
     assert distinct_images(torch.cat([a, b]), grid) == ([0, 1], [0, 1])
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_batch(request, tiny_assets, tmp_path_factory):
     """Two tiny models of a family with the same weights, and a batch of 2 prompts x SAMPLES responses."""
-    path = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
-    processor, config = AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
-    dataset = RLHFDataset(
-        str(tiny_assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
-        image_dir=None, max_prompt_length=2048, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, model_config=config,
-    )  # fmt: skip
-    prompts = [dataset[0], dataset[1]]
+    path, prompts, allowed = family_prompts(request.param, tmp_path_factory.mktemp(request.param), tiny_assets.train_file)
     torch.manual_seed(0)
     models = [AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32) for _ in range(2)]
-    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size)
     allowed_ids = allowed.nonzero().flatten()
     rows = [
         Trajectory.single_turn(p, g, k, allowed_ids[torch.randint(len(allowed_ids), (6,))].tolist(), "", 1.0)

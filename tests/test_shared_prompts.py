@@ -14,13 +14,11 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from helpers.tiny_families import FAMILIES, count_prompt_passes, family_prompts
+from transformers import AutoModelForImageTextToText
 
-from vlmrl.data.dataset import RLHFDataset
 from vlmrl.records import Trajectory
 from vlmrl.records.views import to_batch
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train import shared_prompts
 from vlmrl.train.actor import forward_response
 from vlmrl.train.micro_batches import TokenCount
@@ -29,19 +27,12 @@ SAMPLES = 3
 LENGTHS = [6, 2, 4, 5, 1, 3]  # ragged responses: the response pass pads on the right under a cached prompt
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_batch(request, tiny_assets, tmp_path_factory):
     """A family's tiny model and 2 image prompts x SAMPLES ragged responses, the second prompt's at temperature 0.7."""
-    path = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
-    processor, config = AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
-    dataset = RLHFDataset(
-        str(tiny_assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
-        image_dir=None, max_prompt_length=2048, min_pixels=3136, max_pixels=12544, model_config=config,
-    )  # fmt: skip
-    prompts = [dataset[0], dataset[1]]
+    path, prompts, allowed = family_prompts(request.param, tmp_path_factory.mktemp(request.param), tiny_assets.train_file)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size)
     allowed_ids = allowed.nonzero().flatten()
     rows = [
         Trajectory.single_turn(
@@ -70,14 +61,7 @@ def _pass(model, batch, allowed, share: bool):
 
 def test_shared_prompts_give_the_full_passes_log_probs_entropy_and_gradients(family_batch, monkeypatch):
     model, batch, allowed = family_batch
-    prompt_passes = []
-    original = shared_prompts.prompt_logits_and_cache
-
-    def counted(model, **kwargs):
-        prompt_passes.append(kwargs["input_ids"].shape[0])
-        return original(model, **kwargs)
-
-    monkeypatch.setattr(shared_prompts, "prompt_logits_and_cache", counted)
+    prompt_passes = count_prompt_passes(monkeypatch)
     lp0, ent0, g0, full = _pass(model, batch, allowed, share=False)
     lp1, ent1, g1, shared = _pass(model, batch, allowed, share=True)
     assert prompt_passes == [2]  # two distinct prompts, one pass over them, for six rows

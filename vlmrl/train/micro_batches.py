@@ -20,13 +20,18 @@ from vlmrl.train.partition import balanced_partition, parts_for_budget
 
 
 def merged_mm_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """The micro-batch's image and video inputs, each key concatenated in sample order, as the model wants them.
+    """The micro-batch's image and video inputs, each key concatenated in sample order, as the model wants them."""
+    return merge_mm_inputs(batch.mm_inputs)
+
+
+def merge_mm_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples' image and video inputs, each key concatenated in sample order.
 
     Samples may differ in what they have (text only, images, videos, both); a key
     is concatenated over the samples that have it.
     """
-    keys = dict.fromkeys(key for mm in batch.mm_inputs for key in mm)
-    return {key: torch.cat([mm[key] for mm in batch.mm_inputs if key in mm], dim=0) for key in keys}
+    keys = dict.fromkeys(key for mm in rows for key in mm)
+    return {key: torch.cat([mm[key] for mm in rows if key in mm], dim=0) for key in keys}
 
 
 @dataclass(frozen=True)

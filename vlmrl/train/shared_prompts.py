@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl.records import Batch
+from vlmrl.train.micro_batches import merge_mm_inputs
 from vlmrl.train.packing import Trimmed
 
 
@@ -112,9 +113,7 @@ def forward(
     firsts = torch.tensor(shared.firsts, device=device)
     where = shared.where.to(device)
     positions = inputs["position_ids"]  # (3, b, S) or, for a text model, (b, S)
-    distinct = [mm_rows[i] for i in shared.firsts]
-    keys = dict.fromkeys(key for m in distinct for key in m)
-    mm = {key: torch.cat([m[key] for m in distinct if key in m]).to(device) for key in keys}
+    mm = {key: value.to(device) for key, value in merge_mm_inputs([mm_rows[i] for i in shared.firsts]).items()}
     last, cache = prompt_logits_and_cache(
         model,
         input_ids=inputs["input_ids"][firsts, :p],
