@@ -204,6 +204,23 @@ def test_console_summary_says_when_no_validation_ran_and_stays_quiet_on_failure(
     assert capsys.readouterr().out == ""
 
 
+def test_the_run_summary_counts_from_the_trackers_start_clock_not_from_its_construction(tmp_path, capsys, monkeypatch):
+    # The Runner builds the loggers while the workers start (MLflow's import and store take seconds) and starts
+    # the clock when training starts: the summary's time is the training's. A resumed run adds its earlier time.
+    import vlmrl.loggers.console as console
+
+    now = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
+    tracker = Tracker([LoggerName.console], run_info(tmp_path), resume_state={"console": {"seconds": 20.0}})
+    now[0] = 130.0  # 30 s of the workers' start
+    tracker.start_clock()
+    now[0] = 205.0  # 75 s of training
+    tracker.log({"reward/overall": 0.3}, 1)
+    capsys.readouterr()
+    tracker.close()
+    assert capsys.readouterr().out.splitlines()[0] == "run summary: 1 steps in 1m35s"  # 20 s earlier + 75 s
+
+
 def test_image_strip_puts_a_prompts_images_side_by_side():
     a, b = Image.new("RGB", (56, 28), "red"), Image.new("RGB", (28, 56), "blue")
     strip = image_strip([a, b])

@@ -94,7 +94,6 @@ class Runner:
         from vlmrl.driver.resume import check_resume
         from vlmrl.driver.reward_model import reward_model_link, start_reward_model
         from vlmrl.driver.scoring import start_scorers
-        from vlmrl.loggers.tracking import RunInfo, Tracker
         from vlmrl.workers.group import WorkerGroup
 
         experiment_dir = Path(plan.experiment_dir)
@@ -128,6 +127,7 @@ class Runner:
         background = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-start")
         starting = background.submit(WorkerGroup, config, plan)
         background.shutdown(wait=False)
+        tracker = None
         try:
             from vlmrl.driver.loop import TrainingLoop  # transformers, scipy: seconds, beside the workers
 
@@ -136,6 +136,7 @@ class Runner:
             reward, validation = config.worker.reward, val_loader is not None
             timeout = config.trainer.start_timeout_s
             if reward.reward_model.model_path and reward.reward_model.placement is RewardModelPlacement.colocated:
+                tracker = _tracker(config, plan, resume_from)  # while the workers load
                 workers = starting.result()  # they hold the reward model
                 scorers = start_scorers(
                     reward, validation, reward_model_link(config, None, workers.workers), timeout, plan.reward_workers
@@ -145,18 +146,16 @@ class Runner:
                 scorers = start_scorers(
                     reward, validation, reward_model_link(config, judge, None), timeout, plan.reward_workers
                 )
+                tracker = _tracker(config, plan, resume_from)  # while the workers load
                 workers = starting.result()
         except BaseException:
+            if tracker is not None:  # the workers did not come up: the MLflow run is marked FAILED
+                tracker.close(failed=True)
             # The run stops here; the group, once up, has nothing to rendezvous for.
             starting.add_done_callback(lambda f: f.exception() is None and f.result().pool.remove_scratch())
             raise
-        run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
-        # A run resumed from its own checkpoint continues its logger runs (the same MLflow
-        # run id); one started from another experiment's checkpoint gets runs of its own.
-        own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
-        tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
-        tracker = Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
         started()  # the loaders, the handles and the libraries live as long as the run (vlmrl.heap)
+        tracker.start_clock()  # the run summary's time is the training's, not the workers' start
         try:
             TrainingLoop(
                 config, plan, train_loader, val_loader, scorers, workers, tracker,
@@ -194,6 +193,22 @@ class Runner:
             summary += f"; {len(val)} validation prompts"
         print(summary, flush=True)
         return train_loader, val_loader
+
+
+def _tracker(config: Config, plan: Plan, resume_from: Path | None):
+    """The run's loggers, built while the workers start: MLflow's import and a new store's tables take seconds.
+
+    A run resumed from its own checkpoint continues its logger runs (the same MLflow run id); one started from
+    another experiment's checkpoint gets runs of its own.
+    """
+    from vlmrl.driver.checkpoint import load_trainer_state
+    from vlmrl.loggers.tracking import RunInfo, Tracker
+
+    trainer_cfg = config.trainer
+    run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
+    own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
+    tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
+    return Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
 
 
 def _finished_line(done: int, steps_per_epoch: int, config: Config) -> str | None:

@@ -68,6 +68,10 @@ class ConsoleLogger:
         self.earlier_seconds: float = resume.get("seconds", 0.0)
         self.started = time.monotonic()
 
+    def start_clock(self) -> None:
+        """Count this process's time from now: the loggers are built while the workers start, before training."""
+        self.started = time.monotonic()
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         print(format_line(metrics, step), flush=True)
         self.last_step = max(self.last_step, step)

@@ -62,6 +62,12 @@ class Tracker:
             self.close(failed=True)
             raise
 
+    def start_clock(self) -> None:
+        """Training starts now: the console's run summary counts its time from here."""
+        console = self.loggers.get(LoggerName.console)
+        if console is not None:
+            console.start_clock()
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         for logger in self.loggers.values():
             logger.log(metrics, step)
