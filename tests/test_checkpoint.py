@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from vlmrl.driver.checkpoint import (
+    MANIFEST,
     MARKER,
     CheckpointError,
     CheckpointManager,
+    check_manifest,
     check_model_matches,
+    is_complete,
     load_trainer_state,
     save_trainer_state,
 )
@@ -85,13 +90,101 @@ def test_saving_a_step_again_replaces_the_complete_copy(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["global_step_5"]
 
 
-def test_committing_over_an_incomplete_directory_refuses_and_names_it(tmp_path):
+def test_saving_a_step_again_replaces_an_unmarked_leftover(tmp_path, capsys):
+    # What a kill between an older save's rename and its marker leaves: the resumed run trains that step again
+    # and must be able to save it, on this start and every later one.
     manager = CheckpointManager(str(tmp_path))
-    (tmp_path / "global_step_4").mkdir(parents=True)
-    tmp = manager.begin(4)
-    with pytest.raises(CheckpointError, match="global_step_4 exists without a COMPLETE marker"):
-        manager.commit(tmp, 4)
-    assert tmp.exists()  # the new save is kept, not lost
+    leftover = tmp_path / "global_step_4"
+    (leftover / "actor").mkdir(parents=True)
+    (leftover / "actor" / "shard").write_text("half")
+    final = _save(manager, 4, "whole")
+    assert final == leftover and is_complete(final) and check_manifest(final) is None
+    assert (final / "actor" / "shard").read_text() == "whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["global_step_4"]
+    assert f"replacing {leftover}, an unmarked leftover" in capsys.readouterr().out
+
+
+def test_a_new_step_is_marked_before_it_gets_its_final_name(tmp_path, monkeypatch):
+    # A kill right after the rename must not leave global_step_<k> unmarked: the marker is already inside.
+    manager = CheckpointManager(str(tmp_path))
+    tmp = manager.begin(6)
+    (tmp / "shard").write_text("x")
+    seen = []
+    real_rename = os.rename
+
+    def rename(src, dst):
+        seen.append((Path(dst).name, (Path(src) / MARKER).is_file(), (Path(src) / MANIFEST).is_file()))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    manager.commit(tmp, 6)
+    assert seen == [("global_step_6", True, True)]
+
+
+def _checkpoint_with_state(manager: CheckpointManager, step: int) -> Path:
+    tmp = manager.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "shard.distcp").write_bytes(b"w" * 64)
+    save_trainer_state(tmp, {"global_step": step})
+    return manager.commit(tmp, step)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_the_small_ones_hash(tmp_path):
+    final = _checkpoint_with_state(CheckpointManager(str(tmp_path)), 1)
+    files = json.loads((final / MANIFEST).read_text())["files"]
+    assert sorted(files) == ["actor/shard.distcp", "trainer_state.pt"]
+    assert files["actor/shard.distcp"]["size"] == 64 and len(files["actor/shard.distcp"]["sha256"]) == 64
+    assert MARKER not in files and MANIFEST not in files
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda d: (d / "actor" / "shard.distcp").unlink(), "actor/shard.distcp is missing"),
+        (lambda d: (d / "actor" / "shard.distcp").write_bytes(b"w" * 10), "actor/shard.distcp has 10 bytes, not 64"),
+        (lambda d: (d / "actor" / "shard.distcp").write_bytes(b"v" * 64), "actor/shard.distcp has changed"),
+        (lambda d: (d / MANIFEST).unlink(), f"it has no {MANIFEST}"),
+    ],
+    ids=["missing", "cut short", "changed", "no manifest"],
+)
+def test_a_resume_skips_a_marked_checkpoint_whose_files_do_not_match_its_manifest(tmp_path, capsys, damage, problem):
+    manager = CheckpointManager(str(tmp_path))
+    good = _checkpoint_with_state(manager, 1)
+    bad = _checkpoint_with_state(manager, 2)
+    damage(bad)
+    assert is_complete(bad)
+    assert manager.find_last() == good  # the previous good step
+    printed = capsys.readouterr().out
+    assert f"WARNING: skipping {bad}: " in printed and problem in printed
+    assert f"trainer.load_checkpoint_path={bad}" in printed
+
+
+def test_a_bare_marked_directory_is_not_a_checkpoint_to_resume(tmp_path):
+    # The case: an interrupted copy holding COMPLETE and trainer_state.pt only.
+    manager = CheckpointManager(str(tmp_path))
+    bare = tmp_path / "global_step_7"
+    bare.mkdir()
+    save_trainer_state(bare, {"global_step": 7})
+    (bare / MARKER).write_text("7\n")
+    assert manager.find_last() is None
+
+
+def test_the_temporaries_of_killed_saves_are_removed_at_start(tmp_path, capsys):
+    manager = CheckpointManager(str(tmp_path))
+    _save(manager, 2)
+    killed = manager.begin(3)  # a save killed while writing: unmarked
+    (killed / "shard").write_text("partial")
+    duplicate = tmp_path / ".global_step_2.old-0123abcd"  # a marked second copy of a complete step
+    shutil.copytree(tmp_path / "global_step_2", duplicate)
+    only_copy = tmp_path / ".global_step_5.tmp-89abcdef"  # marked, and no global_step_5: kept
+    only_copy.mkdir()
+    (only_copy / MARKER).write_text("5\n")
+    unmarked_step = tmp_path / "global_step_4"  # not a temporary: reported by find_last, left alone
+    unmarked_step.mkdir()
+    assert sorted(manager.remove_stale_temporaries()) == sorted([killed, duplicate])
+    assert not killed.exists() and not duplicate.exists()
+    assert only_copy.exists() and unmarked_step.exists() and is_complete(tmp_path / "global_step_2")
+    assert f"removing {killed}, left by a save that was killed" in capsys.readouterr().out
 
 
 def test_trainer_state_round_trips_through_weights_only_load(tmp_path):

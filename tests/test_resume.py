@@ -81,10 +81,10 @@ def test_a_crash_during_a_save_resumes_from_the_previous_complete_checkpoint(cra
     out, log, debris = crashed_then_resumed
     assert "resumed from" in log and "global_step_2 at step 2" in log
     assert "training (resumed at step 2)" in log  # the progress bar starts at the resumed step
-    # The interrupted save is reported and left in place, never deleted or used.
-    assert "ignoring incomplete" in log
+    # The interrupted save's temporary directory is removed at start (the run lock makes it this run's own).
     checkpoints = experiment_dir(out, "e2e") / "checkpoints"
-    assert all((checkpoints / name).exists() for name in debris)
+    assert all(f"removing {checkpoints / name}, left by a save that was killed" in log for name in debris), log[-5000:]
+    assert not any((checkpoints / name).exists() for name in debris)
     assert (checkpoints / "global_step_3" / "COMPLETE").is_file()  # saved again by the resumed run
 
 

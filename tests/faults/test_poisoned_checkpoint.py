@@ -146,10 +146,13 @@ def test_a_run_that_finds_a_poisoned_checkpoint_fails_and_runs_nothing(tiny_asse
     """The whole resume path: ``python -m vlmrl.main`` finds the checkpoint by itself (find_last_checkpoint)."""
     from helpers.runs import SMALL, experiment_dir, run_main, tail
 
+    from vlmrl.driver.checkpoint import write_manifest
+
     checkpoint = experiment_dir(tmp_path) / "checkpoints" / "global_step_1"
     (checkpoint / "actor").mkdir(parents=True)
     marker = tmp_path / "pwned"
     _poison_metadata(checkpoint / "actor", marker)
+    write_manifest(checkpoint)  # a manifest says the files are whole, not that they are safe
     (checkpoint / "COMPLETE").write_text("1\n")
     proc = run_main(tmp_path, *SMALL, "trainer.max_steps=1", timeout=300)
     assert proc.returncode != 0, tail(proc)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vlmrl.config import Config, to_dict
-from vlmrl.driver.checkpoint import CheckpointError
+from vlmrl.driver.checkpoint import MANIFEST, CheckpointError, write_manifest
 from vlmrl.driver.resume import check_resume, fingerprint
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint
 from vlmrl.validate import load_config
@@ -34,6 +34,7 @@ def _checkpoint(root: Path, config: Config, with_fingerprint: bool = True) -> Pa
     if with_fingerprint:
         saved["fingerprint"] = fingerprint(config)
     (path / "config.json").write_text(json.dumps(saved))
+    write_manifest(path)
     (path / "COMPLETE").write_text("2\n")
     return path
 
@@ -102,3 +103,21 @@ def test_the_driver_refuses_a_poisoned_checkpoint_before_any_worker_starts(tmp_p
     (checkpoint / "config.json").chmod(0o666)
     with pytest.raises(UnsafeCheckpoint, match=r"config.json \(every user can write it\)"):
         check_resume(checkpoint, config, explicit=False)
+
+
+def test_a_checkpoint_whose_files_changed_since_its_save_is_refused_even_when_named(tmp_path):
+    checkpoint = _checkpoint(tmp_path, _config())
+    (checkpoint / "config.json").write_text("{}")
+    for explicit in (False, True):
+        with pytest.raises(CheckpointError, match="config.json has .*bytes|config.json has changed"):
+            check_resume(checkpoint, _config(), explicit=explicit)
+
+
+def test_a_checkpoint_without_a_manifest_loads_only_when_named_with_a_warning(tmp_path, capsys):
+    # An older vlmrl wrote no manifest: the automatic resume cannot tell its checkpoint from an interrupted copy.
+    checkpoint = _checkpoint(tmp_path, _config())
+    (checkpoint / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=f"has no {MANIFEST}"):
+        check_resume(checkpoint, _config(), explicit=False)
+    check_resume(checkpoint, _config(), explicit=True)
+    assert f"WARNING: {checkpoint}: it has no {MANIFEST}" in capsys.readouterr().out

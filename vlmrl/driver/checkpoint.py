@@ -2,20 +2,30 @@
 the trainer's own state, and ``save_limit``.
 
 A save writes everything into a hidden temporary directory next to the final
-one, fsyncs it, renames it to ``global_step_<k>``, and writes the ``COMPLETE``
-marker last. A crash at any point leaves either the previous checkpoints
-untouched plus debris that is never mistaken for a checkpoint, or a complete
-one. Debris is reported and left for the user; nothing is deleted silently.
-A save that fails with an error (a full disk) removes its own temporary
-directory; a save is marked complete only once every rank's shard files are
-there (``verify_shards``); saving a step again swaps the new copy in with one
-atomic exchange; a directory that ``save_limit`` cannot delete is reported.
+one, writes ``MANIFEST.json`` (every file with its size, and the SHA-256 of the
+small ones) and the ``COMPLETE`` marker into it, fsyncs it, and only then
+renames it to ``global_step_<k>``. A crash at any point leaves either the
+previous checkpoints untouched plus debris that is never mistaken for a
+checkpoint, or a complete one. A save that fails with an error (a full disk)
+removes its own temporary directory; a save is marked complete only once every
+rank's shard files are there (``verify_shards``); saving a step again swaps the
+new copy in with one atomic exchange, over a complete copy or over an unmarked
+leftover of an older save; a directory that ``save_limit`` cannot delete is
+reported.
+
+A resume trusts a directory only when its files match its manifest
+(``check_manifest``): a marked directory with files missing, cut short or
+changed (an interrupted copy) is skipped with a warning for the newest one that
+matches. At start, under the run lock, the temporary directories of saves that
+were killed are removed (``remove_stale_temporaries``); other debris is
+reported and left for the user.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
@@ -28,7 +38,12 @@ import torch
 from vlmrl.train.safe_checkpoint import read_metadata_safely
 
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+HASHED_BELOW = 1 << 20
+"""Files smaller than this (1 MiB: configs, trainer state, RNG states, DCP metadata) are hashed in the
+manifest; larger ones (the weight and optimizer shards) are checked by size, which a resume can afford."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_TEMPORARY = re.compile(r"^\.global_step_(\d+)\.(?:tmp|old)-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
@@ -85,10 +100,40 @@ class CheckpointManager:
         )
 
     def find_last(self) -> Path | None:
+        """The newest complete checkpoint whose files match its manifest; the others are reported and skipped."""
         for path in self.incomplete():
             print(f"checkpoint: ignoring incomplete {path} (left by an interrupted save; remove it when you like)", flush=True)
-        complete = self.complete()
-        return complete[-1] if complete else None
+        for path in reversed(self.complete()):
+            problem = check_manifest(path)
+            if problem is None:
+                return path
+            print(
+                f"checkpoint: WARNING: skipping {path}: {problem}. Resuming from the newest checkpoint before it "
+                f"instead; to start from it anyway, set trainer.load_checkpoint_path={path}",
+                flush=True,
+            )
+        return None
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Remove the temporary directories that killed saves left; call once at start, under the run lock.
+
+        The run lock makes this run the only one saving into the directory, so no temporary
+        directory here belongs to a live save. Removed: an unmarked ``.tmp-`` directory (a save
+        that never finished), and a marked ``.tmp-`` or ``.old-`` one whose step has a complete
+        ``global_step_<k>`` beside it (a second copy). A marked one without a complete step
+        directory may be that step's only whole copy: it is reported by ``find_last`` and kept.
+        """
+        removed = []
+        for path in self.incomplete():
+            match = _TEMPORARY.match(path.name)
+            if match is None:
+                continue
+            final = self.root / f"global_step_{match.group(1)}"
+            if not is_complete(path) or is_complete(final):
+                print(f"checkpoint: removing {path}, left by a save that was killed", flush=True)
+                self._remove(path)
+                removed.append(path)
+        return removed
 
     def resume_path(self, load_checkpoint_path: str | None, find_last_checkpoint: bool) -> Path | None:
         """The checkpoint a run starts from: the named one, else the newest complete one if asked, else none."""
@@ -104,21 +149,26 @@ class CheckpointManager:
         return tmp
 
     def commit(self, tmp: Path, step: int) -> Path:
-        """Make the save in ``tmp`` the checkpoint of ``step``; then apply save_limit."""
+        """Make the save in ``tmp`` the checkpoint of ``step``; then apply save_limit.
+
+        The manifest and the marker are written into ``tmp`` before it gets its final name, so a
+        ``global_step_<k>`` directory is never seen unmarked by a kill of this vlmrl.
+        """
         final = self.root / f"global_step_{step}"
+        write_manifest(tmp)
         _fsync_tree(tmp)
+        _write_marker(tmp, step)
         if final.exists():
+            # Saving a step twice (val_only after a resume, or a step whose earlier copy a resume skipped):
+            # the new copy, marked complete, is swapped in with one atomic exchange, so there is always a
+            # complete checkpoint of this step. An unmarked leftover (an older vlmrl killed between its rename
+            # and its marker; a resume never loads it) is replaced the same way.
             if not is_complete(final):
-                raise CheckpointError(
-                    f"{final} exists without a {MARKER} marker (an interrupted save); move it away to save step {step} again"
-                )
-            # Saving a step twice (e.g. val_only after a resume): the new copy is marked complete first and
-            # swapped in with one atomic exchange, so there is always a complete checkpoint of this step.
-            _write_marker(tmp, step)
+                print(f"checkpoint: replacing {final}, an unmarked leftover of an interrupted save", flush=True)
             old = self.root / f".global_step_{step}.old-{uuid.uuid4().hex[:8]}"
             if _exchange(tmp, final):
                 os.rename(tmp, old)  # tmp now holds the old copy
-            else:  # no RENAME_EXCHANGE here: a crash between the renames leaves both complete copies, named
+            else:  # no RENAME_EXCHANGE here: a crash between the renames leaves both copies, named
                 os.rename(final, old)
                 os.rename(tmp, final)
             _fsync_dir(self.root)
@@ -126,7 +176,6 @@ class CheckpointManager:
         else:
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            _write_marker(final, step)
         self._apply_limit()
         return final
 
@@ -150,6 +199,59 @@ class CheckpointManager:
             shutil.rmtree(path)
         except OSError as e:
             print(f"checkpoint: could not remove {path} ({e}); remove it yourself", flush=True)
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 16), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    """Every file under ``directory`` but the manifest and the marker, in a stable order."""
+    return sorted(
+        p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() not in (MANIFEST, MARKER)
+    )
+
+
+def write_manifest(directory: Path) -> None:
+    """``MANIFEST.json``: each file's relative path, its size, and the SHA-256 of those under ``HASHED_BELOW``."""
+    entries = {}
+    for file in _files(directory):
+        size = file.stat().st_size
+        entries[file.relative_to(directory).as_posix()] = {"size": size, **({"sha256": _sha256(file)} if size < HASHED_BELOW else {})}
+    (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1) + "\n")
+
+
+def check_manifest(directory: Path) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest, or None when they match.
+
+    A directory without a manifest is refused too: a copy that stopped before the end, or a
+    ``COMPLETE`` written by hand, looks exactly like that, so an automatic resume cannot tell it from
+    a checkpoint of an older vlmrl (which wrote none). Naming it in ``trainer.load_checkpoint_path``
+    loads it on purpose (``vlmrl.driver.resume.check_resume``).
+    """
+    try:
+        entries = json.loads((directory / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (an interrupted copy, or a checkpoint written by an older vlmrl)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST} cannot be read ({e})"
+    problems = []
+    for name, entry in sorted(entries.items()):
+        file = directory / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != entry.get("size"):
+            problems.append(f"{name} has {file.stat().st_size} bytes, not {entry.get('size')}")
+        elif "sha256" in entry and _sha256(file) != entry["sha256"]:
+            problems.append(f"{name} has changed (SHA-256)")
+    if not problems:
+        return None
+    more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+    return f"its files do not match its {MANIFEST}: {'; '.join(problems[:4])}{more}"
 
 
 def _write_marker(directory: Path, step: int) -> None:

@@ -1,5 +1,9 @@
 """Checks on the checkpoint a run starts from, before any worker loads a model.
 
+- **Whole**: the checkpoint's files must match the manifest its save wrote
+  (``vlmrl.driver.checkpoint.check_manifest``). A checkpoint without one (an
+  older vlmrl's) is loaded only when named in ``trainer.load_checkpoint_path``,
+  with a warning; the automatic resume skips it.
 - **Trust**: the checkpoint must be writable by its owner only, and its DCP
   metadata must unpickle through the allowlist (vlmrl/train/safe_checkpoint.py).
   The workers check again when they load; this fails the run in seconds rather
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config, to_dict
-from vlmrl.driver.checkpoint import CheckpointError, check_model_matches
+from vlmrl.driver.checkpoint import MANIFEST, CheckpointError, check_manifest, check_model_matches
 from vlmrl.train.checkpoint import check_lora_matches
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
 
@@ -132,6 +136,11 @@ def check_resume(checkpoint: Path, config: Config, explicit: bool) -> None:
     """Every check on the checkpoint a run starts from; raises CheckpointError or UnsafeCheckpoint."""
     if not checkpoint.is_dir():
         raise CheckpointError(f"trainer.load_checkpoint_path={checkpoint}: no such checkpoint directory")
+    problem = check_manifest(checkpoint)
+    if problem is not None:
+        if not (explicit and not (checkpoint / MANIFEST).exists()):
+            raise CheckpointError(f"refusing to resume from {checkpoint}: {problem}")
+        print(f"checkpoint: WARNING: {checkpoint}: {problem}; loading it unverified, as it is named", flush=True)
     check_trusted(checkpoint)
     saved = saved_fingerprint(checkpoint)
     if saved is not None:

@@ -103,6 +103,7 @@ class Runner:
 
         trainer_cfg = config.trainer
         checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
+        checkpoints.remove_stale_temporaries()  # the driver holds the run lock (vlmrl.driver.run_lock)
         resume_from = checkpoints.resume_path(trainer_cfg.load_checkpoint_path, trainer_cfg.find_last_checkpoint)
         if resume_from is not None:  # before any worker loads a model
             check_resume(resume_from, config, explicit=bool(trainer_cfg.load_checkpoint_path))
