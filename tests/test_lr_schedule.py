@@ -54,6 +54,33 @@ def test_cosine_starts_at_the_peak_after_warmup_and_ends_at_min_lr_ratio():
     assert s.factor(10) == pytest.approx(0.1)
 
 
+def test_the_cosine_over_a_whole_run_gives_every_update_easyr1s_and_verls_rate():
+    # EasyR1 and verl build a LambdaLR from the same function and step it after each update, so update k
+    # (k = 0 .. T-1) runs at factor(k): the cosine reaches its floor m at k = T, one past the last update.
+    # The run: T = 2, no warm-up, m = 0.1, lr 1e-3. p = k / 2:
+    #   k = 0: p = 0,   cos 0 = 1        -> 0.1 + 0.9 x 2 / 2 = 1.0   -> 1e-3
+    #   k = 1: p = 1/2, cos(pi/2) = 0    -> 0.1 + 0.9 x 1 / 2 = 0.55  -> 5.5e-4 (the last update: not the floor)
+    #   k = 2: p = 1,   cos pi = -1      -> 0.1                       -> 1e-4 (the floor, after the run)
+    two = LRSchedule(peak_lr=1e-3, kind=COSINE, warmup_steps=0, training_steps=2, min_lr_ratio=0.1)
+    assert [two.lr(k) for k in range(2)] == pytest.approx([1e-3, 5.5e-4], rel=1e-12)
+    assert two.lr(2) == pytest.approx(1e-4, rel=1e-12)
+    # T = 6, w = 2, m = 0.2: warm-up k / 2 for k < 2, then p = (k - 2) / 4 and
+    # factor = 0.2 + 0.8 x (1 + cos(pi p)) / 2 = 0.6 + 0.4 cos(pi p):
+    #   k = 0: 0/2 = 0 (the first update runs at 0)     k = 1: 1/2 = 0.5
+    #   k = 2: p = 0,   cos 0 = 1            -> 1.0
+    #   k = 3: p = 1/4, cos(pi/4) = 0.707107 -> 0.6 + 0.282843 = 0.882843
+    #   k = 4: p = 1/2, cos(pi/2) = 0        -> 0.6
+    #   k = 5: p = 3/4, cos(3pi/4) = -0.707107 -> 0.6 - 0.282843 = 0.317157 (the last update)
+    #   k = 6: p = 1,   cos pi = -1          -> 0.2 (the floor, one past the last update)
+    six = LRSchedule(peak_lr=1.0, kind=COSINE, warmup_steps=2, training_steps=6, min_lr_ratio=0.2)
+    expected = [0.0, 0.5, 1.0, 0.882843, 0.6, 0.317157]
+    assert [six.factor(k) for k in range(6)] == pytest.approx(expected, abs=1e-6)
+    assert six.factor(6) == pytest.approx(0.2)
+    # Constant, T = 4, w = 1: 0, then 1 for every later update.
+    constant = LRSchedule(peak_lr=1.0, kind=CONSTANT, warmup_steps=1, training_steps=4)
+    assert [constant.factor(k) for k in range(4)] == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_cosine_without_min_lr_ratio_decays_to_zero():
     # EasyR1 reads min_lr_ratio=null as 0: no warm-up, T = 4: factor(k) = (1 + cos(pi k / 4)) / 2,
     #   k = 2 -> 0.5, k = 4 -> 0.

@@ -220,7 +220,9 @@ class OptimConfig:
     lr_warmup_steps: int | None = None
     """Warm-up steps; when set, wins over lr_warmup_ratio."""
     min_lr_ratio: float | None = None
-    """Cosine schedule: the final learning rate as a share of lr."""
+    """Cosine schedule: the floor the cosine decays towards, as a share of lr (null reads as 0). As in EasyR1 and
+    verl, the cosine reaches it one step past the last update: with T training steps and w warm-up steps the last
+    update runs at min_lr_ratio + (1 - min_lr_ratio) x (1 + cos(pi (T-1-w) / (T-w))) / 2 of lr."""
     lr_scheduler_type: LRSchedulerType = LRSchedulerType.constant
     """Schedule after warm-up."""
 

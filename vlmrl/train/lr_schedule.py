@@ -2,11 +2,20 @@
 
 ``optim.lr_warmup_steps`` (or ``lr_warmup_ratio`` x the run's training steps)
 steps climb linearly from 0 to ``optim.lr``; after them the rate stays at
-``lr`` (``constant``) or follows a half cosine from ``lr`` down to
-``min_lr_ratio`` x ``lr`` at the last training step (``cosine``). These are
-the formulas of EasyR1's ``get_constant_schedule_with_warmup`` and
-``get_cosine_schedule_with_warmup`` (verl/utils/torch_functional.py at
-b44b311), so the same config gives the same rates.
+``lr`` (``constant``) or follows a half cosine from ``lr`` towards
+``min_lr_ratio`` x ``lr`` (``cosine``). These are the formulas of EasyR1's
+and verl's ``get_constant_schedule_with_warmup`` and
+``get_cosine_schedule_with_warmup`` (verl/utils/torch_functional.py), so the
+same config gives the same rates.
+
+Update k of a run of T training steps (k = 0 .. T-1) runs at the schedule's
+value at k, as EasyR1's and verl's ``LambdaLR``, which is stepped after each
+update. The cosine reaches its floor at k = T, one past the last update: the
+last update runs a step above it, at
+``m + (1 - m) x (1 + cos(pi (T-1-w) / (T-w))) / 2`` of ``lr`` (w warm-up steps,
+m = ``min_lr_ratio``). With T = 2, no warm-up and m = 0.1, the two updates run
+at ``lr`` and 0.55 x ``lr``; the longer the run, the closer the last update
+comes to the floor.
 
 The schedule advances once per training step that updates the model (as
 EasyR1 steps its scheduler once per ``update_actor``/``update_critic`` call),
@@ -43,7 +52,7 @@ class LRSchedule:
     training_steps: int
     """The run's training steps (trainer.total_epochs x steps per epoch, at most trainer.max_steps)."""
     min_lr_ratio: float = 0.0
-    """Cosine: the rate at the last step as a share of ``peak_lr`` (EasyR1 reads null as 0)."""
+    """Cosine: the floor as a share of ``peak_lr``, reached one step past the last update (null reads as 0)."""
 
     @classmethod
     def from_optim(cls, optim, training_steps: int) -> LRSchedule:
@@ -65,7 +74,8 @@ class LRSchedule:
 
         Warm-up (step < w): step / max(1, w), so the first update runs at 0 as in EasyR1.
         Cosine after it: progress p = (step - w) / max(1, T - w), and
-        factor = max(m, m + (1 - m) x (1 + cos(pi p)) / 2), which is 1 at p = 0 and m at p = 1.
+        factor = max(m, m + (1 - m) x (1 + cos(pi p)) / 2), which is 1 at p = 0 and m at p = 1, that is at
+        step T, one past the last update (step T - 1).
         """
         w = self.warmup_steps
         if step < w:
