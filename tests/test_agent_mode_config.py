@@ -128,3 +128,43 @@ def test_a_failed_rollout_leaves_its_group_and_the_baseline_is_the_others():
     mask = torch.ones(2, 3)
     advantages, _ = rollout_advantages(["7:0", "7:1"], [7, 7], [1.0, 0.0], mask)
     assert advantages[:, 0].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+
+
+# ------------------------------------------------------------------ an agent that gives every reward
+
+
+def test_an_agent_that_gives_every_reward_needs_no_reward_function():
+    config = load_config([DEMO, "worker.reward.reward_function="], CPU)
+    assert config.worker.reward.reward_function == ""
+    # Without an agent an empty reward function is still refused.
+    problems = problems_of("config=examples/quickstart.yaml", "worker.reward.reward_function=")
+    assert any(p.startswith("worker.reward.reward_function is empty") for p in problems), problems
+
+
+def _agent_batch(*rows: Trajectory):
+    from vlmrl.records.views import to_batch
+
+    return to_batch(list(rows), max_prompt_length=2, max_response_length=4, pad_token_id=0)
+
+
+def test_without_a_reward_function_the_agents_rewards_are_the_scores():
+    from vlmrl.config import RewardConfig
+    from vlmrl.driver.scoring import start_scorers
+
+    scorer = start_scorers(RewardConfig(reward_function=""), validation=False).train  # no reward actor starts
+    batch = _agent_batch(_row("a", 1.0), _row("a", 1.0), _row("b", 0.0))
+    job = scorer.launch(batch)
+    assert job.ref is None
+    rewards = scorer.collect(job, batch)
+    assert rewards.per_sample["overall"] == [1.0, 1.0, 0.0]
+
+
+def test_without_a_reward_function_a_rollout_its_agent_left_unscored_fails_naming_it():
+    from vlmrl.config import RewardConfig
+    from vlmrl.driver.scoring import start_scorers
+    from vlmrl.reward.function import RewardFunctionError
+
+    scorer = start_scorers(RewardConfig(reward_function=""), validation=False).train
+    with pytest.raises(RewardFunctionError, match=r"rollout b: its agent returned no reward \(None\), and "
+                       r"worker.reward.reward_function is not set"):  # fmt: skip
+        scorer.launch(_agent_batch(_row("a", 1.0), _row("b"), _row("b")))

@@ -135,7 +135,8 @@ class Scorer:
     """
 
     def __init__(self, reward_managers: list[ray.actor.ActorHandle], spec: str):
-        assert reward_managers, "a Scorer needs at least one reward-manager actor"
+        # No actors and no spec: an external agent gives every reward (worker.reward.reward_function unset).
+        assert bool(reward_managers) == bool(spec), "a Scorer has reward-manager actors exactly when it has a function"
         self.reward_managers, self.spec = list(reward_managers), spec
         self._in_flight: list[list[ray.ObjectRef]] = [[] for _ in self.reward_managers]
         """Per actor, the jobs launched on it not yet seen finished; pruned when an actor is chosen or asked for."""
@@ -154,7 +155,7 @@ class Scorer:
     def idle(self) -> bool:
         """Whether some actor has no job in flight, so that a job launched now starts at once."""
         with self._lock:
-            return min(self._loads()) == 0
+            return not self.reward_managers or min(self._loads()) == 0
 
     def launch(self, batch: Batch) -> ScoringJob:
         inputs = reward_inputs(batch)
@@ -163,6 +164,13 @@ class Scorer:
         # Agent rollouts: the function scores each rollout's last row, unless its agent returned the reward.
         rollouts = RolloutScoring.of(batch.trajectories)
         rows = rollouts.rows_to_score
+        if rows and not self.spec:
+            unscored = [batch.trajectories[i].rollout for i in rows]
+            raise RewardFunctionError(
+                f"rollout {unscored[0]}: its agent returned no reward (None), and worker.reward.reward_function is "
+                f"not set to score it ({len(unscored)} such rollout(s) in this batch); return a number from the "
+                "agent for every rollout, or set worker.reward.reward_function to score the rollouts it leaves"
+            )
         return ScoringJob(self._compute([inputs[i] for i in rows]) if rows else None, rollouts)
 
     def _compute(self, inputs: list[dict]) -> ray.ObjectRef:
@@ -245,6 +253,8 @@ def start_scorers(
     if train_workers is None:
         train_workers = reward.num_workers or 1
     spec = reward_spec(reward.reward_function, reward.reward_model.model_path)
+    if not spec:  # every reward comes from the agent (validation allows this only with worker.rollout.agent)
+        return Scorers(train=Scorer([], spec), val=Scorer([], spec) if validation else None)
     cls = ray.remote(manager_class(spec, reward.reward_type))
 
     def actor() -> ray.actor.ActorHandle:

@@ -59,7 +59,7 @@ def path_problems(config: Config) -> list[str]:
     for key, path, hub_ok in optional_paths:
         if path and not Path(path).exists() and not (hub_ok and is_hub_id(path)):
             problems.append(f"{key}: {path} does not exist")
-    problems.extend(reward_problems(config.worker.reward))
+    problems.extend(reward_problems(config.worker.reward, agent=config.worker.rollout.agent))
     return problems
 
 
@@ -111,17 +111,22 @@ def model_problems(config: Config) -> list[str]:
     return problems
 
 
-def reward_problems(reward: RewardConfig) -> list[str]:
-    """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts."""
+def reward_problems(reward: RewardConfig, agent: str | None = None) -> list[str]:
+    """The reward function must load here (file, function, imports, REWARD_TYPE) before any actor starts.
+
+    With an external ``agent`` it may be unset: the agent then returns every rollout's reward, and a rollout it
+    returns None for fails its step, naming the rollout (``vlmrl.driver.scoring.Scorer.launch``).
+    """
     problems = []
     model = reward.reward_model
     spec = reward_spec(reward.reward_function, model.model_path)
-    if not spec:
+    if not spec and not agent:
         problems.append(
             "worker.reward.reward_function is empty: set it to path/to/file.py:function, or set "
-            "worker.reward.reward_model.model_path to reward with a model's score"
+            "worker.reward.reward_model.model_path to reward with a model's score (or, with worker.rollout.agent, "
+            "have the agent return each rollout's reward)"
         )
-    else:
+    elif spec:  # unset with an agent: every reward comes from the agent
         try:
             # In a reward process, as a run loads it: a module that exits or crashes at import ends that process.
             kind = model.kind.value if model.model_path else None
