@@ -1,8 +1,8 @@
-"""The README's table of EasyR1's config keys covers EasyR1's whole schema, and says the truth about each key.
+"""The table of EasyR1's config keys (docs/getting-started/from-easyr1.md) covers EasyR1's whole schema, and says the truth about each key.
 
 The key list is tests/fixtures/easyr1/schema_keys_b44b311.txt (EasyR1's
 dataclass fields at b44b311, 'input' or 'auto'). Each key has one row in the
-README's "EasyR1 keys" section with a state: same, differs, refused or derived.
+page's "Every EasyR1 key" section with a state: same, differs, refused or derived.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def easyr1_keys() -> dict[str, str]:
     return dict(line.split("\t") for line in lines if line and not line.startswith("#"))
 
 
-def readme_table() -> dict[str, dict[str, str]]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## EasyR1 keys", 1)[1].split("\n## ", 1)[0]
+def keys_table() -> dict[str, dict[str, str]]:
+    text = (REPO / "docs" / "getting-started" / "from-easyr1.md").read_text()
+    section = text.split("## Every EasyR1 key", 1)[1].split("\n## ", 1)[0]
     rows = [m.groupdict() for line in section.splitlines() if (m := ROW.match(line.strip()))]
     table = {r["key"]: r for r in rows}
     assert len(table) == len(rows), "a key has two rows"
@@ -52,8 +52,8 @@ def test_the_fixture_is_easyr1s_whole_schema():
     assert sum(kind == "auto" for kind in keys.values()) == 17
 
 
-def test_the_readme_has_one_row_with_a_state_for_every_easyr1_key_and_no_other():
-    keys, table = easyr1_keys(), readme_table()
+def test_the_page_has_one_row_with_a_state_for_every_easyr1_key_and_no_other():
+    keys, table = easyr1_keys(), keys_table()
     assert set(table) == set(keys), (sorted(set(keys) - set(table)), sorted(set(table) - set(keys)))
     for key, row in table.items():
         assert row["state"] in STATES, (key, row)
@@ -62,7 +62,7 @@ def test_the_readme_has_one_row_with_a_state_for_every_easyr1_key_and_no_other()
 
 
 def test_every_input_key_is_in_vlmrls_schema_and_every_auto_key_is_derived():
-    keys, table, ours = easyr1_keys(), readme_table(), vlmrl_keys()
+    keys, table, ours = easyr1_keys(), keys_table(), vlmrl_keys()
     for key, kind in keys.items():
         if kind == "auto":
             assert key in DERIVED_KEYS and table[key]["state"] == "derived", key
@@ -73,7 +73,7 @@ def test_every_input_key_is_in_vlmrls_schema_and_every_auto_key_is_derived():
 
 
 def test_the_table_says_refused_only_where_validation_refuses(tmp_path):
-    table = readme_table()
+    table = keys_table()
     refused = {k for k, row in table.items() if row["state"] == "refused"}
     assert {
         "worker.hybrid_engine", "worker.reward.skip_special_tokens", "worker.actor.ulysses_size",

@@ -77,7 +77,7 @@ def colour_sample(rng: random.Random) -> Sample:
 # tiny random model, varying canvas sizes and backgrounds drown the colour in
 # the image features (colour explains ~17% of the variance of the last hidden
 # state across images, against ~72% here), and RL then collapses onto one
-# colour before it learns to look; see docs/quickstart.md.
+# colour before it learns to look; see docs/notes/quickstart-design.md.
 QUICKSTART_SIDE = 84
 QUICKSTART_BACKGROUND = (255, 255, 255)
 
