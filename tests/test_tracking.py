@@ -8,6 +8,7 @@ with TensorBoard's own reader. Nothing is mocked. The end-to-end view (a real
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -169,6 +170,13 @@ def test_console_line_shows_the_watched_metrics_in_a_fixed_order():
         {"perf/mfu": 0.0123, "reward/overall": 0.5, "actor/reference_kl": 1.2e-3, "val/reward/overall": 0.25, "x": 9}, 7
     )
     assert line == "step 7 | reward 0.500 | val 0.250 | kl 1.20e-03 | mfu 1.23%"
+
+
+def test_console_line_shows_tool_calls_per_trajectory_and_the_parse_error_rate_of_multi_turn_runs():
+    # A multi-turn run whose calls never parse says so on every step line.
+    line = format_line({"reward/overall": 0.0, "agent/tool_calls/mean": 1.0, "agent/tool/parse_error_rate": 1.0}, 3)
+    assert line == "step 3 | reward 0.000 | calls/traj 1.00 | parse_err 100%"
+    assert format_line({"reward/overall": 0.0, "agent/tool_calls/mean": 0.0}, 3) == "step 3 | reward 0.000 | calls/traj 0.00"
 
 
 def test_console_summary_reports_first_and_last_validation_across_a_resume(tmp_path, capsys):
@@ -393,3 +401,47 @@ def test_cpu_peak_is_measured_and_plausible():
     peak = measure_cpu_peak_flops(threads=1, seconds=0.1, size=256)
     # One core does more than 100 MFLOP/s and less than 10 TFLOP/s of fp32 matmul.
     assert 1e8 < peak < 1e13 and math.isfinite(peak)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_drops_the_earlier_attempts_lines_past_its_checkpoint(tmp_path, capsys):
+    # The earlier attempt validated at step 0, trained steps 1..5, saved at 3 and was killed: 4 and 5 run again.
+    metrics = tmp_path / "exp" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    earlier = [{"step": 0, "val/reward/overall": 0.5}] + [{"step": s, "reward/overall": s / 10} for s in range(1, 6)]
+    metrics.write_text("".join(json.dumps(m) + "\n" for m in earlier) + '{"step": 6, "rew')  # and a line cut short
+    run = dataclasses.replace(run_info(tmp_path), resumed_step=3)
+    tracker = Tracker([LoggerName.file], run)
+    for step in (4, 5):
+        tracker.log({"reward/overall": step / 100}, step)
+    tracker.close()
+    lines = _lines(metrics)
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4, 5]  # each step once: a plot of the file is right
+    assert lines[:4] == earlier[:4] and lines[4:] == [{"step": 4, "reward/overall": 0.04}, {"step": 5, "reward/overall": 0.05}]
+    assert f"dropped 3 line(s) of {metrics} past step 3" in capsys.readouterr().out
+
+
+def test_the_runner_tells_the_file_logger_the_step_it_resumes_from(tmp_path):
+    from vlmrl.driver.checkpoint import save_trainer_state
+    from vlmrl.driver.runner import _tracker
+    from vlmrl.plan import Cluster, resolve
+
+    config = load_config(
+        ["config=examples/quickstart.yaml", f"trainer.output_dir={tmp_path}", "trainer.logger=[file]"], Cluster(0, 2)
+    )
+    plan = resolve(config, Cluster(0, 2))
+    checkpoint = Path(plan.checkpoint_dir) / "global_step_2"
+    checkpoint.mkdir(parents=True)
+    save_trainer_state(checkpoint, {"global_step": 2})
+    metrics = Path(plan.experiment_dir) / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "reward/overall": 0.0}) + "\n" for s in range(1, 5)))
+    _tracker(config, plan, checkpoint).close()
+    assert [m["step"] for m in _lines(metrics)] == [1, 2]
+    # val_only trains nothing, so it re-logs nothing: the file is left whole.
+    metrics.write_text("".join(json.dumps({"step": s, "reward/overall": 0.0}) + "\n" for s in range(1, 5)))
+    val_only = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, val_only=True))
+    _tracker(val_only, plan, checkpoint).close()
+    assert [m["step"] for m in _lines(metrics)] == [1, 2, 3, 4]

@@ -206,9 +206,15 @@ def _tracker(config: Config, plan: Plan, resume_from: Path | None):
     from vlmrl.loggers.tracking import RunInfo, Tracker
 
     trainer_cfg = config.trainer
-    run = RunInfo(trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict())
+    saved = load_trainer_state(resume_from) if resume_from is not None else {}
+    # A training run re-logs the steps past its checkpoint: the file logger drops an earlier attempt's lines of them.
+    resumed_step = None if trainer_cfg.val_only else saved.get("global_step")
+    run = RunInfo(
+        trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict(),
+        resumed_step=resumed_step,
+    )  # fmt: skip
     own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
-    tracker_state = load_trainer_state(resume_from).get("tracker") if own_checkpoint else None
+    tracker_state = saved.get("tracker") if own_checkpoint else None
     return Tracker(trainer_cfg.logger, run, resume_state=tracker_state)
 
 

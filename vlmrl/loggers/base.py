@@ -21,6 +21,8 @@ class RunInfo:
     """The resolved config as plain data (``vlmrl.config.to_dict``)."""
     plan: dict[str, Any] = field(default_factory=dict)
     """The derived values (``Plan.as_dict``)."""
+    resumed_step: int | None = None
+    """The step of the checkpoint a training run resumes from (None for a fresh run or a val_only one)."""
 
     def params(self) -> dict[str, str]:
         """The config and the plan flattened to dotted keys, for hyper-parameter tables."""
