@@ -653,6 +653,8 @@ class TrainerConfig:
     """vlmrl addition: fail the run when one of a step's worker calls (rollout, a pass, the update, the resync, a save) takes longer than this many seconds; null waits forever."""
     max_consecutive_skipped_steps: int = 3
     """vlmrl addition: fail the run after this many steps in a row whose every actor (or critic) optimizer step was skipped for a non-finite gradient; -1 never stops."""
+    fail_without_signal_steps: int = 0
+    """vlmrl addition: fail the run after this many steps in a row without a learning signal (every tool call failed to parse, no tool ran, every reward the same, or no group with a non-zero advantage); 0 never fails. Such steps are warned about on the console after 3 in a row either way; a step whose every reward is the best of the run, after rewards that differed, counts as a solved task, not as one without signal."""
     output_dir: str = "outputs"
     """vlmrl addition: experiment directory root, <output_dir>/<project_name>/<experiment_name>/."""
     verbose: bool = False

@@ -22,6 +22,7 @@ from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
 from vlmrl.driver.sampler import RolloutSampler
+from vlmrl.driver.signal_check import SignalCheck
 from vlmrl.driver.scoring import Scorers
 from vlmrl.loggers.tracking import Tracker
 from vlmrl.driver.validation import Validator
@@ -121,6 +122,10 @@ class TrainingLoop:
         self.critic_settings = CriticSettings.from_config(config, plan, self.total_steps) if plan.use_critic else None
         self.perf = PerfMeter.for_run(config, plan)
         self.skip_watch = SkippedStepWatch(config.trainer.max_consecutive_skipped_steps)
+        multi_turn = rollout.multi_turn
+        self.signal_check = SignalCheck(
+            config.trainer.fail_without_signal_steps, has_tools=multi_turn.enable and bool(multi_turn.tools)
+        )
 
     def _prompt_batches(self):
         """Training prompt batches from where the run stands, across epochs, without end.
@@ -237,6 +242,8 @@ class TrainingLoop:
             self.tracker.log(metrics, step)
             # A run whose updates are all skipped (NaN) trains nothing: fail it, naming the steps.
             self.skip_watch.observe(step, metrics, self._optimizer_steps(len(batch), step))
+            # A run with no learning signal (no tool ran, one reward for all, no advantage): said, or failed.
+            self.signal_check.observe(step, metrics)
             progress.update(step)
             if stopping:
                 print(f"stop requested: saved step {step}, exiting", flush=True)

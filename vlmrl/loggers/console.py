@@ -17,6 +17,8 @@ FIELDS = (
     ("pg_loss", "actor/pg_loss", ".3g"),
     ("entropy", "actor/entropy", ".3g"),
     ("len", "response_length/mean", ".1f"),
+    ("calls/traj", "agent/tool_calls/mean", ".2f"),  # multi-turn: tool calls per trajectory
+    ("parse_err", "agent/tool/parse_error_rate", ".0%"),  # of those calls, the share the parser could not read
     ("lp_diff", "rollout/log_prob_diff_mean", ".1e"),
     ("s/step", "perf/time_per_step", ".1f"),
     ("tok/s/dev", "perf/throughput", ".4g"),
@@ -29,6 +31,11 @@ def format_line(metrics: dict[str, float], step: int) -> str:
 
     >>> format_line({"reward/overall": 0.5, "perf/mfu": 0.0123, "other": 1.0}, 3)
     'step 3 | reward 0.500 | mfu 1.23%'
+
+    Multi-turn runs show their tool calls per trajectory and the share that did not parse:
+
+    >>> format_line({"reward/overall": 0.0, "agent/tool_calls/mean": 1.0, "agent/tool/parse_error_rate": 1.0}, 4)
+    'step 4 | reward 0.000 | calls/traj 1.00 | parse_err 100%'
     """
     parts = [f"step {step}"]
     parts += [f"{label} {metrics[key]:{fmt}}" for label, key, fmt in FIELDS if key in metrics]

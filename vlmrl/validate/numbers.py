@@ -120,6 +120,11 @@ def range_problems(config: Config) -> list[str]:
             f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps}: must be at least 1, "
             "or -1 to never stop a run for skipped updates"
         )
+    if trainer.fail_without_signal_steps < 0:
+        problems.append(
+            f"trainer.fail_without_signal_steps={trainer.fail_without_signal_steps}: must be 0 (never fail, only "
+            "warn) or a number of steps in a row without a learning signal that fails the run"
+        )
     problems.extend(
         sampling_problems(
             "worker.rollout", rollout.temperature, rollout.top_p, rollout.top_k, None
