@@ -6,11 +6,16 @@ into a model built from the config saved next to them, and written with
 that transformers and vLLM load the result. A LoRA actor's checkpoint (with
 ``lora.json``) is written with its adapters merged into the base weights, under
 the plain HF names, so the directory needs no peft.
+
+Nothing in the checkpoint runs: transformers is called with
+``trust_remote_code=False``, and a ``huggingface/`` directory whose files ask
+for code of their own (an ``auto_map``) is refused with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -38,15 +43,22 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
         raise ExportError(f"{actor_dir}: no DCP checkpoint here (expected <checkpoint>/global_step_<k>/actor)")
     if not (hf_dir / "config.json").is_file():
         raise ExportError(f"{hf_dir}: the model config saved with the checkpoint is missing")
+    remote = remote_code_requests(hf_dir)
+    if remote:
+        raise ExportError(
+            f"{hf_dir} asks for code shipped in the checkpoint ({'; '.join(remote)}); vlmrl.export runs none: "
+            "remove the auto_map entries to export with transformers' own classes"
+        )
     try:
         # The export loads what the directory holds; refuse one that others can change or that would run code.
         check_private(actor_dir)
         read_metadata_safely(actor_dir)
     except UnsafeCheckpoint as e:
         raise ExportError(str(e)) from e
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     with torch.device("meta"):
-        model = auto_class(kind_of(config.to_dict())).from_config(config)  # a VLM or a text causal LM
+        # a VLM or a text causal LM
+        model = auto_class(kind_of(config.to_dict())).from_config(config, trust_remote_code=False)
     model = model.to_empty(device="cpu")
     lora = load_lora_config(actor_dir)
     if lora is None:
@@ -64,8 +76,23 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
     model.save_pretrained(output)
     if (hf_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(hf_dir).save_pretrained(output)
-    AutoProcessor.from_pretrained(hf_dir).save_pretrained(output)
+    AutoProcessor.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(output)
     return output
+
+
+def remote_code_requests(hf_dir: Path) -> list[str]:
+    """``<file>: auto_map <entries>`` for each JSON file of ``hf_dir`` that names classes of its own code."""
+    found = []
+    for file in sorted(hf_dir.glob("*.json")):
+        try:
+            content = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue  # transformers reports a file it cannot read; this looks only for code to run
+        auto_map = content.get("auto_map") if isinstance(content, dict) else None
+        if auto_map:
+            entries = sorted(auto_map) if isinstance(auto_map, dict) else [str(auto_map)]
+            found.append(f"{file.name}: auto_map {', '.join(entries)}")
+    return found
 
 
 def _merged_lora_weights(actor_dir: Path, lora: LoraConfig) -> dict[str, torch.Tensor]:

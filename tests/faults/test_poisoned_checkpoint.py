@@ -10,6 +10,7 @@ users can write is refused too; a real checkpoint still round-trips.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -159,3 +160,28 @@ def test_a_run_that_finds_a_poisoned_checkpoint_fails_and_runs_nothing(tiny_asse
     assert "refusing to load posix.system" in proc.stdout + proc.stderr, tail(proc)
     assert not marker.exists(), "the run executed the checkpoint's command"
     assert "HybridWorker" not in proc.stdout + proc.stderr  # refused before any worker started
+
+
+def test_export_refuses_a_checkpoint_that_asks_for_its_own_code_and_runs_none(
+    checkpoint, tmp_path, tiny_assets, capsys, monkeypatch
+):
+    # An auto_map in huggingface/ makes transformers ask [y/N]; answered y, it ran the checkpoint's .py file.
+    actor_dir = _exportable(checkpoint, tiny_assets)
+    hf = actor_dir / "huggingface"
+    marker = tmp_path / "pwned"
+    config = json.loads((hf / "config.json").read_text())
+    config.pop("model_type", None)
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "configuration_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PretrainedConfig\nclass EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    monkeypatch.setattr("builtins.input", lambda *a, **k: "y")  # a user who answers the prompt
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    assert export_main([str(actor_dir), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "config.json: auto_map AutoConfig" in err and "runs none" in err
+    assert not marker.exists(), "exporting the checkpoint ran its code"
+    assert not (tmp_path / "out").exists()
