@@ -88,6 +88,30 @@ def test_unknown_extension_missing_path_and_empty_directory_are_named(tmp_path, 
         dataset(str(tmp_path / "empty"), processor)
 
 
+def test_a_line_that_is_not_json_is_named_by_file_line_and_its_start(tmp_path, processor):
+    jsonl = tmp_path / "train.jsonl"
+    good = '{"problem": "q", "answer": "a"}'
+    jsonl.write_text(f"{good}\n{good}\nproblem: what is 2 + 2? answer: 4, written as a line of plain text\n{good}\n")
+    with pytest.raises(DataError) as info:
+        dataset(str(jsonl), processor)
+    assert str(info.value) == (
+        f"{jsonl} line 3: not JSON (Expecting value, column 1): "
+        "'problem: what is 2 + 2? answer: 4, written as a line of plai...'; each line must hold one JSON object"
+    )
+    # A line cut short, and a line that is JSON but not an object, are named the same way.
+    jsonl.write_text(f'{good}\n{{"problem": "q", "answer": "a"\n')
+    with pytest.raises(DataError, match=rf"^{jsonl} line 2: not JSON \(Expecting ',' delimiter, column 31\): "):
+        dataset(str(jsonl), processor)
+    jsonl.write_text(f"{good}\n\n[1, 2]\n")
+    with pytest.raises(DataError, match=rf"^{jsonl} line 3: a JSON list, not an object: '\[1, 2\]'"):
+        dataset(str(jsonl), processor)
+    # A .json file holding one document: the decoder's line, in the document.
+    document = tmp_path / "train.json"
+    document.write_text('[\n  {"problem": "q", "answer": "a"},\n  {"problem": "q" "answer": "a"}\n]\n')
+    with pytest.raises(DataError, match=rf"^{document} line 3: not JSON \(Expecting ',' delimiter, column 19\): "):
+        dataset(str(document), processor)
+
+
 def test_a_hub_name_goes_to_the_hub_loader(tmp_path, processor, monkeypatch):
     calls = []
 

@@ -15,6 +15,7 @@ where to look.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,57 @@ def _read_file(path: Path) -> datasets.Dataset:
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:  # any reader failure is the file's fault, named as such
-        raise DataError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {e})") from e
+        bad_line = _first_bad_json_line(path) if builder == "json" else None
+        raise DataError(bad_line or f"{path}: cannot be read as {builder} ({type(e).__name__}: {e})") from e
+
+
+def _first_bad_json_line(path: Path, shown: int = 60) -> str | None:
+    """Where a JSON file that ``datasets`` cannot read goes wrong: "FILE line N: ...", with the line's start.
+
+    A ``.jsonl`` file, or a ``.json`` file one of whose first non-blank lines is a JSON object on its own, is
+    read as JSON lines (one object a line); any other as one JSON document. None when no line is at fault (the
+    reader failed for another reason, which its own message then gives).
+    """
+    def start_of(line: str) -> str:
+        line = line.rstrip("\r\n")
+        return repr(line[:shown] + ("..." if len(line) > shown else ""))
+
+    with path.open(encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    if not any(line.strip() for line in lines):
+        return None
+    if not (path.suffix == ".jsonl" or any(_is_object(line) for line in [s for s in lines if s.strip()][:5])):
+        try:
+            json.loads("".join(lines))
+            return None
+        except json.JSONDecodeError as e:
+            return (
+                f"{path} line {e.lineno}: not JSON ({e.msg}, column {e.colno}): {start_of(lines[e.lineno - 1])}; "
+                "a .json file holds one JSON document, or one JSON object a line"
+            )
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            return (
+                f"{path} line {number}: not JSON ({e.msg}, column {e.colno}): {start_of(line)}; "
+                "each line must hold one JSON object"
+            )
+        if not isinstance(value, dict):
+            return (
+                f"{path} line {number}: a JSON {type(value).__name__}, not an object: {start_of(line)}; "
+                "each line must hold one JSON object, {\"column\": value, ...}"
+            )
+    return None
+
+
+def _is_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _read_saved(path: Path, split: str | None) -> datasets.Dataset:
