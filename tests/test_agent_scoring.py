@@ -98,3 +98,22 @@ def test_made_up_tool_names_are_a_rate_not_metric_keys_and_the_mismatch_rate_is_
     assert m["agent/render_mismatch_rate"] == 1.0  # 1 of 1 checked, not 1 of 2
     a.render_mismatch = None
     assert "agent/render_mismatch_rate" not in agent_metrics(batch)
+
+
+def test_external_agent_rows_log_only_the_metrics_that_mean_something_for_them():
+    # Rows as the endpoint path makes them (vlmrl.workers.agents): recorded calls aggregated into rows, each row
+    # a Trajectory with its rollout's id. vlmrl ran no tool for them and did not decide when they stopped (a
+    # row's stop reason is its last call's finish reason), so no tool, stop-reason or render-mismatch key.
+    from vlmrl.rollout.traces import Call, aggregate
+
+    calls = {
+        "0:0#0": [Call("0:0#0", 0, [1, 2], [3, 4], [-0.1, -0.2], 0), Call("0:0#0", 1, [1, 2, 3, 4, 5], [6], [-0.3], 0)],
+        "0:1#0": [Call("0:1#0", 0, [1, 2], [7], [-0.1], 0, finish_reason="length")],
+    }
+    rows = aggregate(calls, "trajectory", str).rows
+    batch = to_batch([r.to_trajectory(group_id=0) for r in rows], max_prompt_length=4, max_response_length=8, pad_token_id=0)
+    m = agent_metrics(batch)
+    assert not [k for k in m if k.startswith(("agent/stop/", "agent/tool", "agent/render_mismatch"))], sorted(m)
+    # What does mean something: calls (turns) per row, the trained share of what follows the prompt.
+    assert m["agent/turns/mean"] == 1.5 and m["agent/turns/max"] == 2
+    assert m["action/ratio"] == 4 / 5 and m["agent/observation_tokens/mean"] == 0.5

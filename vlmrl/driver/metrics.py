@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from vlmrl.records import Batch
+from vlmrl.records import Batch, Trajectory
 from vlmrl import algos
 
 
@@ -85,19 +85,51 @@ def batch_metrics(batch: Batch, entropy: torch.Tensor, version: int | None = Non
 
 
 def agent_metrics(batch: Batch) -> dict[str, float]:
-    """Multi-turn rollouts (``agent/*``): turns, tool calls by tool and by outcome, stop reasons, tool latency,
-    the share of the response the model wrote, observation tokens and images, template mismatches, and the
-    rollout-vs-actor log-prob gap of each turn."""
+    """Multi-turn rollouts (``agent/*``): turns, images, the share of the response the model wrote, observation
+    tokens, and the rollout-vs-actor log-prob gap of each turn; for the in-process loop
+    (``worker.rollout.multi_turn``) also tool calls by tool and by outcome, stop reasons, tool latency and
+    template mismatches.
+
+    Rows an external agent's calls made (``worker.rollout.agent``, rows with a ``rollout_id``) have none of the
+    loop's: vlmrl neither runs their tools nor decides when they stop, and a row's stop reason is its last call's
+    finish reason. What the endpoint knows of them (rollouts by outcome, calls, rows, template mismatches) is
+    logged as ``agent/rollouts/*``, ``agent/calls`` and ``trace/*`` by the rollout worker."""
     trajectories = [t for t in batch.trajectories if t.turn_ends]
     if not trajectories:
         return {}
     n = len(trajectories)
-    calls = [c for t in trajectories for c in t.tool_calls]
     metrics = {
         **_stats("agent/turns", torch.tensor([t.num_turns for t in trajectories])),
-        "agent/tool_calls/mean": len(calls) / n,
         "agent/images/mean": sum(len(t.media) - t.prompt_media for t in trajectories) / n,
     }
+    looped = [t for t in trajectories if not t.rollout_id]
+    if looped:
+        metrics.update(_loop_metrics(looped))
+    model = sum(sum(t.loss_mask[t.prompt_length :]) for t in trajectories)
+    after_prompt = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
+    metrics["action/ratio"] = model / max(after_prompt, 1)
+    metrics["agent/observation_tokens/mean"] = (after_prompt - model) / n
+    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
+        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
+        by_turn: dict[int, list[torch.Tensor]] = {}
+        for row, t in enumerate(batch.trajectories):
+            start = t.prompt_length
+            for turn, end in enumerate(t.turn_ends):
+                cols = [i - t.prompt_length for i in range(start, end + 1) if t.loss_mask[i] and i - t.prompt_length < diff.shape[1]]
+                if cols:
+                    by_turn.setdefault(turn, []).append(diff[row, cols])
+                start = end + 1
+        for turn, values in sorted(by_turn.items()):
+            metrics[f"agent/log_prob_diff/turn_{turn}"] = torch.cat(values).mean().item()
+    return metrics
+
+
+def _loop_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """What the in-process multi-turn loop decides and runs: tool calls, stop reasons, tool latency, the render
+    mismatch rate."""
+    n = len(trajectories)
+    calls = [c for t in trajectories for c in t.tool_calls]
+    metrics = {"agent/tool_calls/mean": len(calls) / n}
     checked = [t.render_mismatch for t in trajectories if t.render_mismatch is not None]
     if checked:
         metrics["agent/render_mismatch_rate"] = sum(checked) / len(checked)
@@ -115,20 +147,4 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
         seconds = torch.tensor([c.get("seconds", 0.0) for c in calls], dtype=torch.float64)
         metrics["agent/tool/latency_p50_s"] = seconds.quantile(0.5).item()
         metrics["agent/tool/latency_p95_s"] = seconds.quantile(0.95).item()
-    model = sum(sum(t.loss_mask[t.prompt_length :]) for t in trajectories)
-    after_prompt = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
-    metrics["action/ratio"] = model / max(after_prompt, 1)
-    metrics["agent/observation_tokens/mean"] = (after_prompt - model) / n
-    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs()
-        by_turn: dict[int, list[torch.Tensor]] = {}
-        for row, t in enumerate(batch.trajectories):
-            start = t.prompt_length
-            for turn, end in enumerate(t.turn_ends):
-                cols = [i - t.prompt_length for i in range(start, end + 1) if t.loss_mask[i] and i - t.prompt_length < diff.shape[1]]
-                if cols:
-                    by_turn.setdefault(turn, []).append(diff[row, cols])
-                start = end + 1
-        for turn, values in sorted(by_turn.items()):
-            metrics[f"agent/log_prob_diff/turn_{turn}"] = torch.cat(values).mean().item()
     return metrics
