@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -73,9 +74,12 @@ def test_a_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path)
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
-def test_a_lock_held_from_another_host_is_never_taken_over(tmp_path):
+def test_a_lock_of_an_older_vlmrl_held_from_another_host_is_never_taken_over(tmp_path):
+    # No heartbeat_s: that holder does not beat, so its lock's age says nothing about whether it is alive.
     held = {"pid": 1234, "host": "some-other-node", "started": "now"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(held))
+    long_ago = time.time() - 86400
+    os.utime(tmp_path / LOCK_FILE, (long_ago, long_ago))
     with pytest.raises(RunLocked, match="pid 1234 on host some-other-node.*remove the lock file"):
         RunLock(tmp_path, "experiment directory").acquire()
     assert json.loads((tmp_path / LOCK_FILE).read_text()) == held
@@ -89,3 +93,61 @@ def test_a_checkpoint_directory_outside_the_experiment_is_locked_too(tmp_path):
             with run_locks(tmp_path / "another_exp", checkpoints):
                 pass
     assert not (experiment / LOCK_FILE).exists() and not (checkpoints / LOCK_FILE).exists()
+
+
+_REMOTE = {"pid": 1234, "host": "some-other-node", "started": "yesterday", "heartbeat_s": 10.0}
+
+
+def test_a_lock_from_another_host_whose_heartbeat_stopped_is_taken_over_naming_the_holder(tmp_path, capsys):
+    # A job rescheduled onto another node: the node that held the lock is gone, and its lock stopped beating.
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_REMOTE))
+    silent_since = time.time() - 120
+    os.utime(tmp_path / LOCK_FILE, (silent_since, silent_since))
+    with RunLock(tmp_path, "experiment directory", stale_after_s=60):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    out = capsys.readouterr().out
+    assert f"taking over {tmp_path / LOCK_FILE} from pid 1234 on host some-other-node, started yesterday" in out
+    assert "whose heartbeat stopped 1" in out  # about 120 s ago
+
+
+def test_a_lock_from_another_host_that_still_beats_is_refused(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_REMOTE))
+    stop = threading.Event()
+
+    def beat():  # the other node's heartbeat thread
+        while not stop.wait(0.2):
+            os.utime(tmp_path / LOCK_FILE)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RunLocked, match="pid 1234 on host some-other-node.*It is alive: its heartbeat goes on"):
+            RunLock(tmp_path, "experiment directory", heartbeat_s=0.1, stale_after_s=5).acquire()
+        assert time.monotonic() - start < 4  # told by the next beat, not by waiting out the timeout
+    finally:
+        stop.set()
+        beating.join()
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == _REMOTE
+
+
+def test_a_fresh_lock_from_another_host_that_falls_silent_is_taken_over_after_the_timeout(tmp_path, capsys):
+    (tmp_path / LOCK_FILE).write_text(json.dumps(_REMOTE))  # beat just now, then the node died
+    start = time.monotonic()
+    with RunLock(tmp_path, "experiment directory", heartbeat_s=0.1, stale_after_s=1.5):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert 1.0 < time.monotonic() - start < 10
+    assert "waiting up to" in capsys.readouterr().out
+
+
+def test_the_holder_touches_its_lock_while_it_runs_and_stops_when_it_releases(tmp_path):
+    lock = RunLock(tmp_path, "experiment directory", heartbeat_s=0.1)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat_s"] == 0.1
+    long_ago = time.time() - 1000
+    os.utime(tmp_path / LOCK_FILE, (long_ago, long_ago))
+    time.sleep(0.5)
+    assert time.time() - (tmp_path / LOCK_FILE).stat().st_mtime < 10
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    assert not any(t.name == "vlmrl-run-lock" for t in threading.enumerate())
