@@ -86,9 +86,10 @@ def cli_page() -> str:
             HEADER,
             "# Command line\n\n",
             "## Training\n\n",
+            "With no arguments, or a `config=` that does not exist, it prints its usage and exits 2:\n\n",
             "```text\n" + USAGE + "\n```\n\n",
-            "`python -m vlmrl.main --help` prints this, then every key with its type, default and help (the "
-            "[configuration reference](configuration.md) is the same text as a page):\n\n",
+            "`python -m vlmrl.main --help` begins with the lines below, then lists every key with its type, default "
+            "and help (the [configuration reference](configuration.md) is the same text as a page):\n\n",
             "```text\n" + head + "\n```\n\n",
             "Exit codes: 0 when the run trained (or had nothing left to train), or was stopped by SIGTERM or "
             "SIGINT and saved; 2 for a configuration error (reported before anything is built or started) or an "
