@@ -20,8 +20,7 @@ import re
 
 from PIL import Image
 
-from vlmrl.rollout.tool_parsers import ParsedTurn, ToolCall, parse_qwen
-from vlmrl.rollout.tools import ToolResult, tool
+from vlmrl.api import ParsedTurn, ToolCall, ToolResult, parse_qwen, tool
 
 
 def reveal(context) -> ToolResult:

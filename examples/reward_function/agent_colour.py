@@ -34,7 +34,7 @@ from __future__ import annotations
 REWARD_TYPE = "sequential"
 
 RUN = "ok"
-"""The one tool-call status (``vlmrl.rollout.tools.ToolStatus``) of a call the loop ran."""
+"""The one tool-call status (``vlmrl.api.ToolStatus``) of a call the loop ran."""
 
 
 def _normalise(text: str) -> str:
