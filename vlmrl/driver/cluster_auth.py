@@ -20,6 +20,7 @@ def unauthenticated_cluster_warning(env: Mapping[str, str], enabled: bool) -> st
         return None
     return (
         f"vlmrl: warning: RAY_ADDRESS={address} is a Ray cluster without token authentication: anyone who can "
-        "reach its ports can run code on its nodes. Start it with RAY_AUTH_MODE=token (docs: GPU nodes and multi-node), or, "
+        "reach its ports can run code on its nodes. Start it with RAY_AUTH_MODE=token (docs/guides/gpu.md, "
+        "Multi-node), or, "
         "if the cluster is firewalled to you alone, silence this with trainer.warn_unauthenticated_ray=false"
     )
