@@ -75,7 +75,8 @@ VARIANTS = {
         "algorithm.use_kl_loss=false",
         "algorithm.kl_type=adaptive",
         "algorithm.kl_horizon=100",
-        "trainer.critic_warmup=1",
+        # Step 1 trains the critic alone, step 2 both (EasyR1's and verl's count: critic_warmup <= step).
+        "trainer.critic_warmup=2",
         # The critic update packs its micro-batches (the value pass follows the shared workers' config).
         "worker.critic.padding_free=true",
     ],
@@ -150,7 +151,8 @@ def test_variant_trains_with_finite_metrics(shared, name):
     has = lambda key: all(key in m for m in metrics)
     if "gae" in name:
         assert has("critic/vf_loss") and has("critic/values/mean") and has("critic/returns/mean")
-        assert "actor/pg_loss" not in metrics[0]  # trainer.critic_warmup=1: the actor waits a step
+        # trainer.critic_warmup=2: the actor waits a step, then trains at step 2.
+        assert "actor/pg_loss" not in metrics[0] and "actor/pg_loss" in metrics[1]
         coefs = [m["actor/reward_kl_penalty_coef"] for m in metrics]
         assert coefs[0] == pytest.approx(1e-3) and coefs[1] != coefs[0]  # the adaptive controller moved it
     if "kl_in_reward" in name:

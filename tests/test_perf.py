@@ -90,7 +90,7 @@ def test_with_the_critic():
 
 
 def test_critic_warm_up_counts_no_actor_update():
-    # A step <= trainer.critic_warmup trains the critic only. The update does not run, so it cannot give
+    # A step before trainer.critic_warmup trains the critic only. The update does not run, so it cannot give
     # the old log-probs and the "old" pass runs instead.
     # Actor:  rollout 2NT + old 2NT                     = 4 x 1e6 x 20 = 8.0e7
     # Critic: values 2 N_c T + update 6 N_c T           = 8 x 9e5 x 20 = 1.44e8

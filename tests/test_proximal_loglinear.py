@@ -112,8 +112,8 @@ def test_no_old_log_prob_pass_is_scheduled_with_loglinear():
     assert plan.old_log_probs_from_forward(1, plan.samples_per_step, on_policy=False)
     recompute = resolve(load_config([QUICKSTART, *DECOUPLED], CPU), CPU)
     assert not recompute.old_log_probs_from_forward(1, recompute.samples_per_step, on_policy=False)
-    # The critic's warm-up steps train no actor: their metrics' old log-probs still come from the pass.
-    warm = dataclasses.replace(plan, critic_warmup=2)
+    # The steps before trainer.critic_warmup train no actor: their metrics' old log-probs still come from the pass.
+    warm = dataclasses.replace(plan, critic_warmup=3)
     assert not warm.old_log_probs_from_forward(2, plan.samples_per_step) and warm.old_log_probs_from_forward(3, 1)
 
 

@@ -175,7 +175,8 @@ class Plan:
     """Gradient-accumulation micro-batches per optimizer step, per worker."""
     old_log_probs_from_update: bool
     critic_warmup: int
-    """trainer.critic_warmup: the first steps train only the critic (and so always run the old pass)."""
+    """trainer.critic_warmup: the actor trains from this step on (``trains_actor``); the steps before it train
+    only the critic (and so always run the old pass)."""
     """The old log-probs come from the update's own forward (one on-policy update per step) instead of a pass."""
     prompts_per_generation: int
     """Prompts per generation call (data.mini_rollout_batch_size, else the whole step)."""
@@ -246,11 +247,21 @@ class Plan:
         the batch is at most one update's mini-batch (agent rollouts can leave
         fewer rows; then they are its one mini-batch).
         """
-        if step <= self.critic_warmup:
+        if not self.trains_actor(step):
             return False
         if self.proximal_loglinear:
             return True
         return self.old_log_probs_from_update and on_policy and samples <= self.samples_per_update
+
+    def trains_actor(self, step: int) -> bool:
+        """Whether training step ``step`` (counted from 1) updates the actor: from step ``critic_warmup`` on, as
+        EasyR1's and verl's ``critic_warmup <= global_step``, so 0 and 1 both train it from the first step and
+        ``critic_warmup`` = k leaves k - 1 steps to the critic alone."""
+        return step >= self.critic_warmup
+
+    def actor_updates_by(self, step: int) -> int:
+        """The steps up to and including ``step`` that updated the actor (and so synced the engine once each)."""
+        return max(0, step - max(self.critic_warmup, 1) + 1)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -644,7 +644,9 @@ class TrainerConfig:
     max_try_make_batch: int = 20
     """Online filtering: generation rounds allowed to fill one step's batch; -1 for no limit."""
     critic_warmup: int = 0
-    """Steps that train only the critic before the actor starts (GAE)."""
+    """GAE: the step (counted from 1) from which the actor trains too; the steps before it train only the critic.
+    As in EasyR1 and verl (critic_warmup <= global_step), 0 and 1 both train the actor from the first step, and 3
+    leaves steps 1 and 2 to the critic alone."""
     warn_unauthenticated_ray: bool = True
     """vlmrl addition: warn when RAY_ADDRESS is a cluster without Ray's token authentication; false for a cluster firewalled to you alone."""
     start_timeout_s: float = 1800.0
@@ -661,8 +663,9 @@ class TrainerConfig:
     """vlmrl addition: show the engines' logs (vLLM, torch, Ray's workers) on the console too; they always go to <experiment dir>/run.log."""
     val_freq: int = -1
     """Validate every this many steps; -1 validates only at the end."""
-    val_before_train: bool = False
-    """Validate once before the first step (logged as step 0)."""
+    val_before_train: bool = True
+    """Validate once before the first step (logged as step 0), when data.val_files is set; EasyR1's and verl's
+    default."""
     val_only: bool = False
     """Run validation once (on the resumed checkpoint, or the base model) and exit."""
     val_generations_to_log: int = 0

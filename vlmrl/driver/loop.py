@@ -195,12 +195,12 @@ class TrainingLoop:
                 with timer("adv", timings):
                     advantages = rollout.advantages or self.advantages(batch)
                 advantages.assign_to(batch)
-                # 4. Critic update, then the policy update (after trainer.critic_warmup steps).
+                # 4. Critic update, then the policy update (from step trainer.critic_warmup on).
                 critic_metrics, actor_metrics, resync_metrics = {}, {}, {}
                 if self.plan.use_critic:
                     with timer("update_critic", timings):
                         critic_metrics = self.workers.update_critic(batch, self.critic_settings)
-                if step > self.config.trainer.critic_warmup:
+                if self.plan.trains_actor(step):
                     with timer("update_actor", timings):
                         settings = self.actor_settings.at_version(rollout.version, batch)  # loglinear's v
                         update = self.workers.update_actor(batch, settings, old_from_update)
@@ -303,8 +303,8 @@ class TrainingLoop:
             return 0
         state = load_trainer_state(path)
         step = state["global_step"]
-        # Every step past the critic's warm-up synced the engine once: its version continues from there.
-        restored_optimizer = self.workers.load_checkpoint(str(path), max(step - self.config.trainer.critic_warmup, 1))
+        # Every step that trained the actor synced the engine once: its version continues from there.
+        restored_optimizer = self.workers.load_checkpoint(str(path), max(self.plan.actor_updates_by(step), 1))
         self.prompt_batches_used = state.get("prompt_batches_used", step)
         # A checkpoint taken at the end of an epoch holds a finished loader; the next epoch starts fresh.
         if self.prompt_batches_used % self.steps_per_epoch:
@@ -324,7 +324,7 @@ class TrainingLoop:
         """The optimizer steps this step's updates made, per trained model."""
         made = {}
         world = self.plan.world_size
-        if step > self.config.trainer.critic_warmup:
+        if self.plan.trains_actor(step):
             made["actor"] = optimizer_steps(rows, self.actor_settings.samples_per_update, world, self.actor_settings.ppo_epochs)
         if self.critic_settings is not None:
             made["critic"] = optimizer_steps(rows, self.critic_settings.samples_per_update, world, self.critic_settings.ppo_epochs)
