@@ -1,11 +1,12 @@
 """Write the generated reference pages of the docs site from the code, or check that they are current.
 
-    .venv/bin/python scripts/gen_docs.py          # (re)write docs/reference/{configuration,metrics,cli}.md
+    .venv/bin/python scripts/gen_docs.py          # (re)write docs/reference/{configuration,metrics,cli,api}.md
     .venv/bin/python scripts/gen_docs.py --check  # exit 1, naming each page, if a committed page differs
 
 The configuration page comes from the schema (``vlmrl.config.help.iter_options``: the key, its type with the
 choices of an enum, the default of a fresh ``Config()`` and the attribute docstring under the field), the metrics
-page from ``vlmrl.metrics_catalog``, and the CLI page from the usage text that ``python -m vlmrl.main`` prints.
+page from ``vlmrl.metrics_catalog``, the CLI page from the usage text that ``python -m vlmrl.main`` prints, and the API page from ``vlmrl.api``
+(its docstring and each public name's).
 ``tests/test_docs.py`` runs the check, so a page cannot drift from the code it describes.
 """
 
@@ -31,7 +32,7 @@ def configuration_page() -> str:
     sections: dict[str, list[tuple[str, str, str, str]]] = {}
     for key, tp, default, doc in iter_options():
         section, _, name = key.rpartition(".")
-        sections.setdefault(section or "top level", []).append((name, _type_name(tp), _show(default), doc))
+        sections.setdefault(section, []).append((name, _type_name(tp), _show(default), doc))
     out = [
         HEADER,
         "# Configuration reference\n\n",
@@ -47,7 +48,7 @@ def configuration_page() -> str:
         out.append(f"\n## `{section}`\n\n")
         out.append("| key | type | default | what it does |\n| --- | --- | --- | --- |\n")
         for name, type_name, default, doc in rows:
-            out.append(f"| `{name}` | {_cell(type_name)} | `{_cell(default)}` | {_cell(doc)} |\n")
+            out.append(f"| `{section}.{name}` | {_cell(type_name)} | `{_cell(default)}` | {_cell(doc)} |\n")
     return "".join(out)
 
 
@@ -104,7 +105,37 @@ def cli_page() -> str:
     )
 
 
-PAGES = {"configuration.md": configuration_page, "metrics.md": metrics_page, "cli.md": cli_page}
+def api_page() -> str:
+    import importlib
+    import inspect
+
+    import vlmrl.api as api
+
+    out = [
+        HEADER,
+        "# Python API for extensions\n\n",
+        api.__doc__.split("\n\n", 1)[1].replace("``", "`").strip() + "\n\n",
+        "## The names\n\n| name | what it is | defined in |\n| --- | --- | --- |\n",
+    ]
+    for name in api.__all__:
+        obj = getattr(api, name)
+        home = api._HOMES[name]
+        assert getattr(importlib.import_module(home), name) is obj
+        doc = (inspect.getdoc(obj) or "").split("\n\n", 1)[0].replace("``", "`")
+        if doc.startswith(f"{name}("):  # a dataclass without a docstring of its own: its generated signature
+            doc = f"`{doc}`"
+        elif inspect.isfunction(obj):
+            doc = f"`{name}{inspect.signature(obj)}`: {doc}"
+        out.append(f"| `{name}` | {_cell(doc)} | `{home}` |\n")
+    return "".join(out)
+
+
+PAGES = {
+    "configuration.md": configuration_page,
+    "metrics.md": metrics_page,
+    "cli.md": cli_page,
+    "api.md": api_page,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ def test_the_configuration_page_gives_each_keys_default_from_the_code():
     page = (DOCS / "reference" / "configuration.md").read_text()
     defaults = {key: _show(default) for key, _, default, _ in iter_options()}
     section = page.split("## `worker.rollout.async_rl`", 1)[1].split("\n## ", 1)[0]
-    row = next(line for line in section.splitlines() if line.startswith("| `max_head_offpolicyness` |"))
+    row = next(line for line in section.splitlines() if line.startswith("| `worker.rollout.async_rl.max_head_offpolicyness` |"))
     assert row.split(" | ")[2] == f"`{defaults['worker.rollout.async_rl.max_head_offpolicyness']}`"
 
 
