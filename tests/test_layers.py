@@ -1,6 +1,6 @@
 """The package map holds: every import-linter contract in pyproject.toml is kept.
 
-The contracts encode the README's Layout table (each package imports only the
+The contracts encode the package table of docs/architecture/index.md (each package imports only the
 layers below it; nothing imports the driver). An import that runs upward, or
 a cycle between layers, fails here with the import chain that breaks it.
 """
