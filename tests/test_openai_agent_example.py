@@ -1,4 +1,4 @@
-"""The agent demo of docs/guides/openai-agent.md, examples/openai_agent/, on the real tiny engine behind the real agent endpoint.
+"""The agent demo (docs/guides/openai-agent.md, examples/openai_agent/) on the real tiny engine and endpoint.
 
 - The agent is written against the ``openai`` package alone (it imports nothing from vlmrl), and its config
   names it, with trajectory aggregation, per-rollout loss averaging and the quickstart's tiny assets.
