@@ -210,7 +210,7 @@ def part_record(args, result: Path) -> None:
     # The training sampling, as vlmrl's driver builds it (vlmrl.driver.loop).
     sampling = Sampling(
         n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-        max_tokens=data.max_response_length, want_log_probs=rollout.calculate_log_probs,
+        max_tokens=data.max_response_length, want_log_probs=plan.rollout_log_probs,
         ignore_eos=rollout.ignore_eos,
     )  # fmt: skip
     recording = Recording(worker.engine)

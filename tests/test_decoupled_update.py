@@ -88,8 +88,11 @@ def test_the_update_needs_the_engines_log_probs(model_and_batch):
 def test_validation_asks_for_the_engines_log_probs_and_a_cap_of_at_least_one():
     with pytest.raises(ConfigError) as e:
         load_config(["config=examples/quickstart.yaml", "worker.actor.use_decoupled_loss=true",
-                     "worker.actor.behaviour_weight_cap=0.5"], Cluster(gpus=0, cpus=2))  # fmt: skip
+                     "worker.rollout.calculate_log_probs=false", "worker.actor.behaviour_weight_cap=0.5"],
+                    Cluster(gpus=0, cpus=2))  # fmt: skip
     assert any("set worker.rollout.calculate_log_probs=true" in p for p in e.value.problems), e.value.problems
     assert any("behaviour_weight_cap=0.5: must be at least 1" in p for p in e.value.problems), e.value.problems
     load_config(["config=examples/quickstart.yaml", "worker.actor.use_decoupled_loss=true",
                  "worker.rollout.calculate_log_probs=true"], Cluster(gpus=0, cpus=2))  # fmt: skip
+    # Unset, vLLM's log-probs follow the decoupled loss (vlmrl.plan.rollout_log_probs).
+    load_config(["config=examples/quickstart.yaml", "worker.actor.use_decoupled_loss=true"], Cluster(gpus=0, cpus=2))

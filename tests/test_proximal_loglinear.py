@@ -75,8 +75,10 @@ def test_validation_refuses_what_reads_or_asks_for_the_pass_loglinear_drops():
     assert any(p.startswith(f"{LOGLINEAR} with the KL in the reward") and "algorithm.use_kl_loss=true" in p
                for p in problems), problems  # fmt: skip
     assert any(p.startswith("worker.actor.old_log_prob_pass=always with " + LOGLINEAR) for p in problems), problems
-    # The decoupled loss's own rule still asks for the engine's log-probs.
-    problems = problems_of(QUICKSTART, LOGLINEAR, "worker.actor.use_decoupled_loss=true")
+    # The decoupled loss's own rule still asks for the engine's log-probs when they are turned off by hand.
+    problems = problems_of(
+        QUICKSTART, LOGLINEAR, "worker.actor.use_decoupled_loss=true", "worker.rollout.calculate_log_probs=false"
+    )
     assert any("set worker.rollout.calculate_log_probs=true" in p for p in problems), problems
 
 

@@ -100,6 +100,23 @@ def reward_workers(config: Config) -> int:
     return max(1, a.max_head_offpolicyness + 1) if a.enable else 1
 
 
+def decoupled_loss(config: Config) -> bool:
+    """Whether the actor trains with the decoupled PPO loss: ``worker.actor.use_decoupled_loss`` when set, else
+    whether asynchronous training admits tokens from older policies (``max_head_offpolicyness`` > 0)."""
+    explicit = config.worker.actor.use_decoupled_loss
+    if explicit is not None:
+        return explicit
+    a = config.worker.rollout.async_rl
+    return a.enable and a.max_head_offpolicyness > 0
+
+
+def rollout_log_probs(config: Config) -> bool:
+    """Whether vLLM returns the sampled tokens' log-probs: ``worker.rollout.calculate_log_probs`` when set, else
+    whether the decoupled loss needs them as the behaviour log-probs."""
+    explicit = config.worker.rollout.calculate_log_probs
+    return decoupled_loss(config) if explicit is None else explicit
+
+
 def kl_in_reward(config: Config) -> bool:
     """The KL to the reference is a penalty folded into the rewards before the advantages (PPO)."""
     return uses_reference(config) and not config.algorithm.use_kl_loss
@@ -228,6 +245,12 @@ class Plan:
     reward_workers: int = 1
     """Reward-manager actors scoring training batches (worker.reward.num_workers; unset: 1, and under asynchronous
     training max_head_offpolicyness + 1, as the calls of that many steps can wait for rewards at once)."""
+    decoupled_loss: bool = False
+    """The actor's loss is the decoupled PPO loss (``decoupled_loss``: worker.actor.use_decoupled_loss, by default on
+    under asynchronous training with max_head_offpolicyness > 0)."""
+    rollout_log_probs: bool = False
+    """vLLM returns the sampled tokens' log-probs (``rollout_log_probs``: worker.rollout.calculate_log_probs, by
+    default on with the decoupled loss)."""
     proximal_loglinear: bool = False
     """worker.actor.proximal_log_probs=loglinear (with the decoupled loss): the update interpolates the proximal
     log-probs from the behaviour ones and its own forward, so no step runs an old-log-prob pass to train."""
@@ -325,7 +348,9 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         tensor_parallel_size=rollout.tensor_parallel_size,
         rollout_servers=servers,
         reward_workers=reward_workers(config),
-        proximal_loglinear=actor.use_decoupled_loss and actor.proximal_log_probs == "loglinear",
+        decoupled_loss=decoupled_loss(config),
+        rollout_log_probs=rollout_log_probs(config),
+        proximal_loglinear=decoupled_loss(config) and actor.proximal_log_probs == "loglinear",
     )
 
 
@@ -417,6 +442,13 @@ def describe(plan: Plan, config: Config) -> str:
             else []
         ),
         f"weights: {dtypes}, engine {rollout.dtype.value}",
+        _training_text(plan, config),
+        _rollouts_text(config),
+        _reward_text(config),
+        *(
+            f"learning rate{' (' + name + ')' if name != 'actor' else ''}: {_lr_text(optim)}"
+            for name, optim in [("actor", actor.optim)] + [("critic", config.worker.critic.optim)] * plan.use_critic
+        ),
         (
             f"per step: {config.data.rollout_batch_size} prompts x n={rollout.n} = {plan.samples_per_step} samples, "
             f"{plan.samples_per_step_per_device} per device, generated {plan.prompts_per_generation} prompts at a time"
@@ -433,12 +465,7 @@ def describe(plan: Plan, config: Config) -> str:
             f"{plan.update_token_budget} per update pass, per device"
         )
         + (", padding-free (packed)" if actor.padding_free else ", padded")
-        + (
-            "; old log-probs from the update's forward (one on-policy update)"
-            if plan.old_log_probs_from_update and not plan.proximal_loglinear
-            else ""
-        )
-        + ("; no old-log-prob pass: proximal log-probs log-linear in the update" if plan.proximal_loglinear else ""),
+        + _old_log_probs_text(plan, config),
         (
             f"rollout lengths: prompt {plan.rollout_prompt_length}, response {plan.rollout_response_length}, "
             f"engine max_model_len {plan.rollout_max_model_len}"
@@ -459,3 +486,92 @@ def describe(plan: Plan, config: Config) -> str:
         )
         lines.insert(len(lines) - 2, f"reward model: {rm.kind.value} {rm.model_path}, {rm.dtype.value}, {where}")
     return "\n".join(lines + [f"note: {note}" for note in plan.notes])
+
+
+def _training_text(plan: Plan, config: Config) -> str:
+    """Synchronous or asynchronous, and under async the bound, the placement and the loss that corrects for it."""
+    a = config.worker.rollout.async_rl
+    if not a.enable:
+        text = "training: synchronous (each step samples, scores and trains its own prompts)"
+    else:
+        where = (
+            f"disaggregated ({plan.rollout_servers} rollout server(s) apart from the trainers, weights pushed every "
+            f"{a.weight_sync_interval} update(s) by {a.weight_transfer.value})"
+            if plan.rollout_servers
+            else "colocated (the engine shares each worker, weights synced after every update)"
+        )
+        text = (
+            f"training: asynchronous, eta={a.max_head_offpolicyness} (no trained token more than "
+            f"{a.max_head_offpolicyness} policy version(s) old; stale groups: {a.stale_policy.value}), {where}"
+        )
+    if plan.decoupled_loss:
+        actor = config.worker.actor
+        text += (
+            f"; decoupled PPO loss (behaviour weight cap {actor.behaviour_weight_cap:g}, "
+            f"{actor.behaviour_weight_mode.value})"
+        )
+    return text + ("; vLLM returns the sampled tokens' log-probs" if plan.rollout_log_probs else "")
+
+
+def _old_log_probs_text(plan: Plan, config: Config) -> str:
+    """Where the old (proximal) log-probs come from, as the step loop decides it (``Plan.old_log_probs_from_forward``)."""
+    if plan.proximal_loglinear:
+        return "; no old-log-prob pass: proximal log-probs log-linear in the update"
+    if not plan.old_log_probs_from_update:
+        return "; old log-probs from a forward pass before the advantages"
+    a = config.worker.rollout.async_rl
+    if a.enable and a.max_head_offpolicyness > 0:
+        return (
+            "; old log-probs from the update's forward when every token of the batch came from the weights it "
+            "trains, else from a forward pass before the advantages"
+        )
+    return "; old log-probs from the update's forward (one on-policy update)"
+
+
+def _rollouts_text(config: Config) -> str:
+    """Single responses, the built-in multi-turn loop with its tools or environment, or an external agent."""
+    rollout = config.worker.rollout
+    mt, agent = rollout.multi_turn, rollout.agent
+    if agent:
+        opts = rollout.agent_options
+        port = opts.port or "a free port"
+        return (
+            f"rollouts: external agent {agent}, calling the policy through an OpenAI-compatible endpoint on "
+            f"{opts.host}:{port} of each worker; {opts.max_concurrency} at once per worker, timeout {opts.timeout:g} s, "
+            f"a failed rollout: {opts.on_failure.value}"
+        )
+    if mt.enable:
+        what = f"tools {', '.join(mt.tools)}" if mt.tools else f"environment {mt.env}"
+        per_turn = f", {mt.max_tokens_per_turn} tokens per turn" if mt.max_tokens_per_turn else ""
+        return (
+            f"rollouts: multi-turn, up to {mt.max_turns} turns{per_turn}, calls parsed as {mt.format}, {what} "
+            f"(at most {mt.max_parallel_calls} calls at once, timeout {mt.tool_timeout:g} s)"
+        )
+    return "rollouts: one response per sample"
+
+
+def _reward_text(config: Config) -> str:
+    """Who gives the rewards: the function, the agent, or both (the function for rollouts the agent left unscored)."""
+    reward = config.worker.reward
+    function = reward.reward_function or ("model_score (the reward model's score)" if reward.reward_model.model_path else "")
+    if config.worker.rollout.agent:
+        if not function:
+            return "rewards: from the agent (no reward function: a rollout it returns no reward for fails the step)"
+        return f"rewards: from the agent, else {function} on the rollout's final answer"
+    return f"rewards: {function}"
+
+
+def _lr_text(optim) -> str:
+    """The schedule as ``LRSchedule.from_optim`` builds it: the type, the warm-up and, for cosine, the floor."""
+    warmup = (
+        f"{optim.lr_warmup_steps} warm-up step(s)"
+        if optim.lr_warmup_steps is not None
+        else f"warm-up {optim.lr_warmup_ratio:g} of the steps"
+        if optim.lr_warmup_ratio
+        else "no warm-up"
+    )
+    text = f"{optim.lr:g}, {optim.lr_scheduler_type.value}, {warmup}"
+    if optim.lr_scheduler_type == "cosine":
+        ratio = optim.min_lr_ratio or 0.0
+        text += f", floor {ratio:g} x lr = {ratio * optim.lr:g}"
+    return text

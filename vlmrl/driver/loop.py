@@ -18,6 +18,7 @@ from vlmrl.driver.async_sampler import AsyncRolloutSampler
 from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
+from vlmrl.driver.save_schedule import SaveSchedule
 from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
@@ -83,7 +84,7 @@ class TrainingLoop:
             top_p=rollout.top_p,
             top_k=rollout.top_k,
             max_tokens=config.data.max_response_length,
-            want_log_probs=rollout.calculate_log_probs,
+            want_log_probs=plan.rollout_log_probs,
             ignore_eos=rollout.ignore_eos,
         )
         self.validator = None
@@ -163,6 +164,8 @@ class TrainingLoop:
         if self.config.trainer.val_before_train and self.validator is not None and start_step == 0:
             self.tracker.log(self.validator.run(0), 0)
         progress = ProgressBar(self.total_steps, start_step=start_step)
+        trainer = self.config.trainer  # the time-based save counts from here: training, not start-up
+        self.save_schedule = SaveSchedule(self.total_steps, trainer.save_freq, trainer.save_every_minutes)
         for step, prompts in self._steps(start_step):
             timings: dict[str, float] = {}
             with timer("step", timings):
@@ -255,8 +258,7 @@ class TrainingLoop:
     # ----------------------------------------------------------- checkpoints
 
     def _save_due(self, step: int) -> bool:
-        freq = self.config.trainer.save_freq
-        return step == self.total_steps or (freq > 0 and step % freq == 0)
+        return self.save_schedule.due(step)
 
     def _save(self, step: int) -> None:
         tmp = self.checkpoints.begin(step)
@@ -267,6 +269,7 @@ class TrainingLoop:
             self.checkpoints.discard(tmp)  # a failed save (a full disk) leaves no full-size temp dir behind
             raise
         path = self.checkpoints.commit(tmp, step)
+        self.save_schedule.saved()
         print(f"checkpoint: saved {path}", flush=True)
 
     def _write_checkpoint(self, tmp: Path, step: int) -> None:

@@ -233,7 +233,7 @@ class UpdateSettings:
                 behaviour_weight_mode=actor.behaviour_weight_mode,
                 loss_type=actor.loss_type,
             )
-            if actor.use_decoupled_loss
+            if plan.decoupled_loss
             else None,
             proximal_log_probs=actor.proximal_log_probs,
         )

@@ -35,11 +35,13 @@ def async_problems(config: Config) -> list[str]:
             f"{P}.weight_sync_interval={a.weight_sync_interval}: colocated, the engine gets the weights after every "
             "update (its workers hold both); set 1"
         )
-    if eta > 0 and not config.worker.actor.use_decoupled_loss:
+    if eta > 0 and config.worker.actor.use_decoupled_loss is False:
+        # Unset, the decoupled loss follows from eta > 0 (vlmrl.plan.decoupled_loss); only an explicit false is refused.
         problems.append(
-            f"{P}.max_head_offpolicyness={eta} without worker.actor.use_decoupled_loss=true: tokens up to {eta} "
+            f"{P}.max_head_offpolicyness={eta} with worker.actor.use_decoupled_loss=false: tokens up to {eta} "
             "version(s) old need the loss corrected for the policy that sampled them; set "
-            "worker.actor.use_decoupled_loss=true and worker.rollout.calculate_log_probs=true (or eta=0)"
+            "worker.actor.use_decoupled_loss=true or leave it unset (it is then on, with vLLM's log-probs), "
+            f"or {P}.max_head_offpolicyness=0"
         )
     if config.algorithm.online_filtering:
         problems.append(

@@ -8,7 +8,17 @@ import re
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator, LossAvgMode
 from vlmrl.config import AlgorithmConfig, Config, Device
-from vlmrl.plan import Cluster, device, kl_in_reward, uses_critic, uses_reference, weights_dtype, world_size
+from vlmrl.plan import (
+    Cluster,
+    decoupled_loss,
+    device,
+    kl_in_reward,
+    rollout_log_probs,
+    uses_critic,
+    uses_reference,
+    weights_dtype,
+    world_size,
+)
 
 __all__ = [
     "GROUP_ESTIMATORS",
@@ -91,12 +101,14 @@ def estimator_problems(config: Config) -> list[str]:
             "would keep no group; make filter_low smaller than filter_high"
         )
     actor = config.worker.actor
-    if actor.use_decoupled_loss and not rollout.calculate_log_probs:
+    if decoupled_loss(config) and not rollout_log_probs(config):
+        why = "worker.actor.use_decoupled_loss=true" if actor.use_decoupled_loss else _why_decoupled(config)
         problems.append(
-            "worker.actor.use_decoupled_loss=true weights each token by old / behaviour, and the behaviour "
-            "log-probs are vLLM's; set worker.rollout.calculate_log_probs=true"
+            f"worker.rollout.calculate_log_probs=false with {why}: the decoupled loss weights each token by old / "
+            "behaviour, and the behaviour log-probs are vLLM's; set worker.rollout.calculate_log_probs=true "
+            "(or leave it unset)"
         )
-    if actor.use_decoupled_loss and not actor.behaviour_weight_cap >= 1:
+    if decoupled_loss(config) and not actor.behaviour_weight_cap >= 1:
         problems.append(
             f"worker.actor.behaviour_weight_cap={actor.behaviour_weight_cap}: must be at least 1 (a weight of 1 is "
             "a token the engine and the actor agree on)"
@@ -110,7 +122,7 @@ def proximal_problems(config: Config) -> list[str]:
     if actor.proximal_log_probs != "loglinear":
         return []
     key = "worker.actor.proximal_log_probs=loglinear"
-    if not actor.use_decoupled_loss:
+    if not decoupled_loss(config):
         return [
             f"{key} without worker.actor.use_decoupled_loss=true: the proximal log-probs are the decoupled loss's; "
             "set worker.actor.use_decoupled_loss=true and worker.rollout.calculate_log_probs=true, or "
@@ -302,3 +314,12 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         for applies, what, fix in todo
         if applies
     ]
+
+
+def _why_decoupled(config: Config) -> str:
+    """Why the decoupled loss is on when worker.actor.use_decoupled_loss is unset: the asynchronous bound."""
+    eta = config.worker.rollout.async_rl.max_head_offpolicyness
+    return (
+        f"worker.rollout.async_rl.max_head_offpolicyness={eta} (asynchronous training turns the decoupled loss on "
+        "when worker.actor.use_decoupled_loss is unset)"
+    )
