@@ -23,6 +23,7 @@ import yaml
 
 from vlmrl.config import ConfigError, help_text, to_dict
 from vlmrl.config.help import USAGE
+from vlmrl.config.redact import mask_text
 from vlmrl.plan import describe, detect_cluster, resolve
 from vlmrl.testing.resolvers import register_resolvers
 from vlmrl.validate import load_config
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
         print("# resolved config")
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         print("\n# plan")
-        print(describe(plan, config))
+        print(mask_text(describe(plan, config)))  # a path built from ${oc.env:...} shows as ***
         return 0
 
     from vlmrl.driver.run_lock import RunLocked, run_locks

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 import types
 import typing
 from pathlib import Path
@@ -34,6 +35,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vlmrl.config.errors import ConfigError
+from vlmrl.config.redact import attach, find_env_values, redact, remember, secrets_of
 from vlmrl.config.schema import DERIVED_KEYS, RENAMED_KEYS, Config
 
 __all__ = ["parse", "parse_config", "to_dict"]
@@ -83,6 +85,8 @@ def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
         for key in emptied:  # replaced, not merged (OmegaConf merges an empty mapping into the old one)
             OmegaConf.update(merged, key, {}, merge=False, force_add=True)
         raw = OmegaConf.to_container(merged, resolve=True)
+        secrets = find_env_values(OmegaConf.to_container(merged, resolve=False), raw, os.environ)
+        remember(secrets.values)  # before any problem that quotes one is reported
     except ConfigError:
         raise
     except (yaml.YAMLError, OmegaConfBaseException, TypeError, ValueError) as e:
@@ -97,6 +101,7 @@ def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
             [f"{where}: {type(e).__name__}: {e}".strip(), *problems]
         ) from e
     config = _build(Config, raw or {}, "", problems)
+    attach(config, secrets)
     return config, problems
 
 
@@ -225,5 +230,11 @@ def _convert(tp: Any, value: Any, key: str, problems: list[str]) -> Any:
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    """The config as plain data (enums as their values), for logging and saving."""
-    return OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+    """The config as plain data (enums as their values), for logging and saving, with its secrets as ``***``.
+
+    Every writer of the config (the ``--dry-run`` output, ``config.json`` beside the outputs and in each
+    checkpoint, the loggers' parameters and ``config.yaml``) goes through here; ``vlmrl.config.redact``
+    says what is masked. The workers are given the config object, which keeps the real values.
+    """
+    plain = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+    return redact(plain, Config, secrets_of(config))

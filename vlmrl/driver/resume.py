@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config, to_dict
+from vlmrl.config.redact import MASK
 from vlmrl.driver.checkpoint import MANIFEST, CheckpointError, check_manifest, check_model_matches
 from vlmrl.train.checkpoint import check_lora_matches
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
@@ -115,6 +116,8 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key: saved -> current`` for each fingerprinted key that differs."""
     lines = []
     for key in sorted(saved.keys() | current.keys()):
+        if MASK in (saved.get(key), current.get(key)):
+            continue  # a secret (vlmrl.config.redact): not stored, so not compared, and never printed
         if key in saved and key in current:
             if saved[key] != current[key]:
                 lines.append(f"{key}: {saved[key]!r} -> {current[key]!r}")

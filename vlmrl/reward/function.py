@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config.options import RewardManagerType
+from vlmrl.config.redact import redact
 
 KEY = "worker.reward.reward_function"
 
@@ -75,6 +76,6 @@ def check_kwargs(fn: Callable, spec: str, kwargs: dict[str, Any]) -> None:
         inspect.signature(fn).bind(None, **kwargs)
     except TypeError as e:
         raise RewardFunctionError(
-            f"worker.reward.reward_function_kwargs={kwargs} do not fit {spec}{inspect.signature(fn)}: {e}; "
+            f"worker.reward.reward_function_kwargs={redact(kwargs)} do not fit {spec}{inspect.signature(fn)}: {e}; "
             "fix the kwargs, or drop the YAML's with worker.reward.reward_function_kwargs=null on the command line"
         ) from e
