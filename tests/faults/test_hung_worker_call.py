@@ -50,6 +50,6 @@ def test_an_impossible_placement_says_what_was_asked_and_frees_the_groups(local_
 
 
 def test_step_timeout_s_is_validated():
-    assert load_config(["config=examples/quickstart.yaml"]).trainer.step_timeout_s is None
+    assert load_config(["config=examples/quickstart.yaml"]).trainer.step_timeout_s == 3600.0
     with pytest.raises(ConfigError, match="trainer.step_timeout_s=0.0: must be a positive number of seconds"):
         load_config(["config=examples/quickstart.yaml", "trainer.step_timeout_s=0"])

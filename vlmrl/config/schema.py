@@ -595,7 +595,8 @@ class RewardConfig:
     reward_type: RewardManagerType | None = None
     """sequential or batch; unset takes the function's or its module's REWARD_TYPE."""
     reward_function: str = ""
-    """path/to/file.py:function or package.module:function."""
+    """path/to/file.py:function or package.module:function. May be empty with worker.rollout.agent when the agent
+    returns every rollout's reward (a rollout it returns None for then fails the step, named)."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of every call of the reward function."""
     skip_special_tokens: bool = True
@@ -654,8 +655,10 @@ class TrainerConfig:
     """vlmrl addition: warn when RAY_ADDRESS is a cluster without Ray's token authentication; false for a cluster firewalled to you alone."""
     start_timeout_s: float = 1800.0
     """vlmrl addition: seconds the workers (loading their models, starting vLLM), the reward actors and a separate reward model may take to start before the run fails, naming what did not start and what the cluster has."""
-    step_timeout_s: float | None = None
-    """vlmrl addition: fail the run when one of a step's worker calls (rollout, a pass, the update, the resync, a save) takes longer than this many seconds; null waits forever."""
+    step_timeout_s: float | None = 3600.0
+    """vlmrl addition: fail the run when one of a step's worker calls (rollout, a pass, the update, the resync, a
+    save) takes longer than this many seconds, naming the call and the ranks still running: a wedged engine or a hung
+    collective fails the run instead of holding its nodes; null waits forever."""
     max_consecutive_skipped_steps: int = 3
     """vlmrl addition: fail the run after this many steps in a row whose every actor (or critic) optimizer step was skipped for a non-finite gradient; -1 never stops."""
     fail_without_signal_steps: int = 0
@@ -674,7 +677,11 @@ class TrainerConfig:
     val_generations_to_log: int = 0
     """Validation samples (prompt, images, response, scores) sent to the loggers at each validation."""
     save_freq: int = -1
-    """Save a checkpoint every this many steps; -1 saves only at the end (and on SIGTERM/SIGINT)."""
+    """Save a checkpoint every this many steps; -1 saves by save_every_minutes, at the end and on SIGTERM/SIGINT."""
+    save_every_minutes: float | None = 30.0
+    """vlmrl addition: also save at the end of the first step that ends this many minutes of training after the last
+    save (or the start), so a killed run loses at most about this much; null saves only by save_freq and at the
+    end."""
     save_limit: int = -1
     """Keep only the newest this many complete checkpoints; -1 keeps all."""
     save_model_only: bool = False

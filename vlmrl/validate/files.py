@@ -159,6 +159,11 @@ def checkpoint_problems(trainer: TrainerConfig) -> list[str]:
         problems.append(
             f"trainer.save_freq={trainer.save_freq}: must be at least 1, or -1 to save only at the end"
         )
+    if trainer.save_every_minutes is not None and not trainer.save_every_minutes > 0:  # NaN fails too
+        problems.append(
+            f"trainer.save_every_minutes={trainer.save_every_minutes}: must be a positive number of minutes, or null "
+            "to save only by trainer.save_freq and at the end"
+        )
     if trainer.save_limit == 0 or trainer.save_limit < -1:
         problems.append(
             f"trainer.save_limit={trainer.save_limit}: must be at least 1, or -1 to keep every checkpoint"
