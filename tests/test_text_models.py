@@ -26,6 +26,7 @@ from vlmrl.testing.assets import ensure_text_assets
 from vlmrl.train.actor import compute_log_probs
 from vlmrl.train.critic import ValueModel, compute_values
 from vlmrl.train.micro_batches import MicroBatching
+from vlmrl.train.models import load_processor
 from vlmrl.validate import load_config
 
 MATH_PROMPT = "examples/format_prompt/math.jinja"
@@ -55,6 +56,17 @@ def text_run(assets, model_dir: Path | None = None) -> list[str]:
     ]
 
 
+def cut_from_a_vl_checkpoint(model_dir: Path, into: Path) -> Path:
+    """A copy of a tiny text model whose tokenizer config names the VL processor class, as the tokenizer of a text
+    model cut from a Qwen2.5-VL checkpoint does (no preprocessor_config.json beside it)."""
+    import shutil
+
+    shutil.copytree(model_dir, into)
+    file = into / "tokenizer_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "processor_class": "Qwen2_5_VLProcessor"}))
+    return into
+
+
 # --------------------------------------------------------------------------- the model kind
 
 
@@ -65,6 +77,25 @@ def test_the_tiny_text_models_are_text_and_the_tiny_vlm_is_not(text_assets, tiny
     for path, architecture in ((text_assets.model_dir, "Qwen2ForCausalLM"), (text_assets.qwen3_model_dir, "Qwen3ForCausalLM")):
         assert json.loads((path / "config.json").read_text())["architectures"] == [architecture]
         assert not (path / "preprocessor_config.json").exists()  # a tokenizer alone, no image processor
+
+
+def test_a_text_model_whose_tokenizer_names_a_vl_processor_loads_its_tokenizer_alone(text_assets, tmp_path, capsys):
+    cut = cut_from_a_vl_checkpoint(text_assets.model_dir, tmp_path / "cut")
+    with pytest.raises(OSError, match="image processor"):  # what AutoProcessor does with such a directory
+        AutoProcessor.from_pretrained(cut)
+    processor = load_processor(str(cut), announce=True)
+    assert type(processor).__name__ == "Qwen2Tokenizer"
+    assert capsys.readouterr().out == (
+        f"processor: {cut} names processor_class Qwen2_5_VLProcessor, but the model has no vision config (a text "
+        "model): loading its tokenizer alone\n"
+    )
+    # The same tokenizer as the uncut model's, and no line without announce (the workers) or without the class.
+    assert processor(["a b c"]).input_ids == load_processor(str(text_assets.model_dir))(["a b c"]).input_ids
+    load_processor(str(cut))
+    load_processor(str(text_assets.model_dir), announce=True)
+    assert capsys.readouterr().out == ""
+    # tokenizer_path: the kind is the model's, the tokenizer the other directory's.
+    assert type(load_processor(str(text_assets.qwen3_model_dir), str(cut))).__name__ == "Qwen2Tokenizer"
 
 
 def test_a_text_config_validates_before_ray_with_no_problems(text_assets):
@@ -200,8 +231,11 @@ def text_e2e(text_assets, tmp_path_factory):
     """The format-tuned tiny Qwen3 for 2 steps of GAE (a critic), LoRA on the actor, padding-free passes, vLLM log-probs,
     EasyR1's math prompt and reward; validation before and after, a checkpoint, then the HF export."""
     out = tmp_path_factory.mktemp("text") / "outputs"
+    # Its tokenizer config names the VL processor class (a text model cut from a VL checkpoint): every process
+    # that loads the processor must load the tokenizer alone.
+    model_dir = cut_from_a_vl_checkpoint(text_assets.qwen3_tuned_model_dir, out.parent / "cut-qwen3")
     proc = run_main(
-        out, *text_run(text_assets, text_assets.qwen3_tuned_model_dir),
+        out, *text_run(text_assets, model_dir),
         "data.rollout_batch_size=4", "data.max_response_length=24", "data.val_batch_size=8",
         "worker.actor.global_batch_size=4", "worker.actor.micro_batch_size_per_device_for_update=4",
         "worker.rollout.n=2", f"trainer.max_steps={STEPS}", "trainer.val_before_train=true",
@@ -223,7 +257,7 @@ def text_e2e(text_assets, tmp_path_factory):
     checkpoint = experiment_dir(out, "text") / "checkpoints" / f"global_step_{STEPS}"
     exported = run_main_export(checkpoint / "actor", export_dir)
     assert exported.returncode == 0, tail(exported)
-    return out, checkpoint, export_dir, proc.stdout
+    return out, checkpoint, export_dir, proc.stdout, model_dir
 
 
 def run_main_export(actor_dir: Path, output: Path):
@@ -237,7 +271,9 @@ def run_main_export(actor_dir: Path, output: Path):
 
 
 def test_a_text_model_trains_with_a_critic_lora_and_packed_passes(text_e2e):
-    out, _, _, _ = text_e2e
+    out, _, _, stdout, model_dir = text_e2e
+    # The driver says once that the tokenizer config's processor class was passed over.
+    assert stdout.count(f"processor: {model_dir} names processor_class Qwen2_5_VLProcessor") == 1, stdout
     metrics = read_metrics(out, "text")
     steps = [m for m in metrics if m["step"] >= 1 and "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -256,7 +292,7 @@ def test_a_text_model_trains_with_a_critic_lora_and_packed_passes(text_e2e):
 
 
 def test_the_step_was_generated_in_calls_of_mini_rollout_batch_size(text_e2e):
-    out, _, _, stdout = text_e2e
+    out, _, _, stdout, _ = text_e2e
     assert "generated 2 prompts at a time" in stdout  # the plan: 4 prompts per step, 2 per call
     for m in read_metrics(out, "text"):
         if "actor/pg_loss" in m:
@@ -265,7 +301,7 @@ def test_the_step_was_generated_in_calls_of_mini_rollout_batch_size(text_e2e):
 
 
 def test_the_text_runs_reward_function_saw_the_math_prompt_and_text_responses(text_e2e):
-    out, _, _, _ = text_e2e
+    out, _, _, _, _ = text_e2e
     path = experiment_dir(out, "text") / "generations" / f"step_{STEPS}.jsonl"
     generations = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(generations) == 2
@@ -283,7 +319,7 @@ def test_the_text_runs_reward_function_saw_the_math_prompt_and_text_responses(te
 
 
 def test_the_text_checkpoint_exports_to_a_causal_lm_with_a_tokenizer(text_e2e, text_assets):
-    _, checkpoint, export_dir, _ = text_e2e
+    _, checkpoint, export_dir, _, _ = text_e2e
     assert json.loads((checkpoint / "actor" / "lr_scheduler.json").read_text()) == {"steps": STEPS}
     model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     assert type(model).__name__ == "Qwen3ForCausalLM"
@@ -291,4 +327,4 @@ def test_the_text_checkpoint_exports_to_a_causal_lm_with_a_tokenizer(text_e2e, t
     base = AutoModelForCausalLM.from_pretrained(text_assets.qwen3_tuned_model_dir, dtype=torch.float32)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert changed and all("proj" in n for n in changed), changed  # the LoRA targets moved; norms, embeddings did not
-    AutoProcessor.from_pretrained(export_dir)  # the tokenizer came along
+    assert type(load_processor(str(export_dir))).__name__ == "Qwen2Tokenizer"  # the tokenizer came along

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoConfig, AutoProcessor, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from vlmrl.config import LoraConfig
 from vlmrl.plan import kind_of
 from vlmrl.train.checkpoint import load_lora_config
 from vlmrl.train.lora import merged_weights, scaling
-from vlmrl.train.models import auto_class
+from vlmrl.train.models import auto_class, load_processor
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
 from vlmrl.train.safe_checkpoint import load as safe_load
 
@@ -76,7 +76,7 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
     model.save_pretrained(output)
     if (hf_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(hf_dir).save_pretrained(output)
-    AutoProcessor.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(output)
+    load_processor(str(hf_dir)).save_pretrained(output)  # a text model's tokenizer alone
     return output
 
 

@@ -176,12 +176,11 @@ class Runner:
     @staticmethod
     def _loaders(config: Config):
         """The training loader and the validation loader (or None), with a line saying what they hold."""
-        from transformers import AutoProcessor
-
         from vlmrl.data.loader import make_loader
+        from vlmrl.train.models import load_processor
 
         model, data = config.worker.actor.model, config.data
-        processor = AutoProcessor.from_pretrained(model.tokenizer_path or model.model_path)
+        processor = load_processor(model.model_path, model.tokenizer_path, model.trust_remote_code, announce=True)
         train = _dataset(config, data.train_files, processor)
         train_loader = make_loader(train, data.rollout_batch_size, data.shuffle, data.seed, drop_last=True)
         per_epoch = f"{len(train_loader)} steps per epoch of {data.rollout_batch_size}"

@@ -1,19 +1,23 @@
 """Loading a model and its processor by kind: vision-language (``AutoModelForImageTextToText``) or text-only
 (``AutoModelForCausalLM``), the kind read from the model's config.json (``vlmrl.plan.model_kind``).
 
-A text model's processor may be a tokenizer alone (``AutoProcessor`` returns
-the tokenizer for such a directory); ``tokenizer_of`` gives the tokenizer of
-either.
+A text model's processor is its tokenizer alone (``load_processor``), even
+when its tokenizer config names a multimodal processor class, as a text model
+cut from a vision-language checkpoint does; ``tokenizer_of`` gives the
+tokenizer of either.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 from vlmrl.config import ModelKind
 from vlmrl.plan import model_kind
 
-__all__ = ["apply_overrides", "auto_class", "load_pretrained", "load_processor", "tokenizer_of"]
+__all__ = ["apply_overrides", "auto_class", "load_pretrained", "load_processor", "named_processor_class", "tokenizer_of"]
 
 
 def auto_class(kind: ModelKind):
@@ -55,11 +59,42 @@ def apply_overrides(config, overrides: dict) -> None:
             setattr(level, key, value)
 
 
-def load_processor(path: str):
-    """The processor at ``path``: a VLM's processor, or a text model's tokenizer."""
-    from transformers import AutoProcessor
+def load_processor(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                   announce: bool = False):
+    """The processor at ``tokenizer_path`` (null: ``model_path``): a VLM's processor, or a text model's tokenizer.
 
-    return AutoProcessor.from_pretrained(path)
+    The kind comes from the model's own config (``model_kind``). A text model (no vision config) loads its
+    tokenizer alone, as EasyR1's ``get_processor`` ends up with, whatever processor class its tokenizer config
+    names: ``AutoProcessor`` would build that class and fail looking for an image processor the directory does
+    not have. With ``announce`` (the driver, once per run) one console line says so when a class was named.
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    path = tokenizer_path or model_path
+    if model_kind(model_path, trust_remote_code) is ModelKind.vision_language:
+        return AutoProcessor.from_pretrained(path)
+    named = named_processor_class(path)
+    if named and announce:
+        print(
+            f"processor: {path} names processor_class {named}, but the model has no vision config (a text "
+            "model): loading its tokenizer alone",
+            flush=True,
+        )
+    return AutoTokenizer.from_pretrained(path)
+
+
+def named_processor_class(path: str) -> str | None:
+    """The ``processor_class`` that the tokenizer config (or processor config) at ``path`` names, if any."""
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            try:
+                named = json.loads(file.read_text()).get("processor_class")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if named:
+                return named
+    return None
 
 
 def tokenizer_of(processor):

@@ -67,7 +67,7 @@ class RolloutServer:
                 f"RolloutServer runs one engine per actor; tensor_parallel_size={plan.tensor_parallel_size}"
             )
         model = config.worker.actor.model
-        processor = load_processor(model.tokenizer_path or model.model_path)
+        processor = load_processor(model.model_path, model.tokenizer_path, model.trust_remote_code)
         tokenizer = tokenizer_of(processor)
         # The trainer bans the same tokens from the actor's vocabulary (``TrainerWorker.allowed_tokens``).
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)

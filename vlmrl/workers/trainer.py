@@ -114,7 +114,8 @@ class TrainerWorker:
         torch.manual_seed(config.data.seed + rank)
 
         model_path = actor_cfg.model.model_path
-        self.processor = load_processor(actor_cfg.model.tokenizer_path or model_path)  # a tokenizer for a text LM
+        # A tokenizer for a text LM.
+        self.processor = load_processor(model_path, actor_cfg.model.tokenizer_path, actor_cfg.model.trust_remote_code)
         self.tokenizer = tokenizer_of(self.processor)
         dtype = _dtype(plan.actor_dtype)
         trust = actor_cfg.model.trust_remote_code
