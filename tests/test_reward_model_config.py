@@ -1,11 +1,12 @@
 """The reward model's settings, checked before Ray starts; and the pure pieces: the judge's question and its parse.
 
-Validation reads only the model's config.json and renders the template on a sample input, so these tests
-start no actor and load no model.
+Validation reads only the model's config.json and renders the template on the training data's first row, so
+these tests start no actor and load no model.
 """
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -68,6 +69,54 @@ def test_a_template_that_does_not_render_is_refused(tmp_path):
     problems = _problems([f"{P}.prompt_template={unknown}"])
     assert any("'respons' is undefined" in p and "may use question, response" in p for p in problems), problems
     assert any("no such file" in p for p in _problems([f"{P}.prompt_template={tmp_path}/none.jinja"]))
+
+
+def _rows_with_a_shape_column(tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(
+        '{"problem": "What colour is the shape?", "answer": "red", "shape": "circle", "data_source": "mine"}\n'
+        '{"problem": "What colour is it?", "answer": "blue", "shape": "square", "data_source": "mine"}\n'
+    )
+    return rows
+
+
+def test_a_template_over_the_rows_own_columns_renders_on_the_first_training_row(tmp_path):
+    template = tmp_path / "judge.jinja"
+    template.write_text("Is the {{ shape }} {{ response }}? Reference: {{ ground_truth }} ({{ data_source }})")
+    rows = _rows_with_a_shape_column(tmp_path)
+    assert _problems([f"data.train_files={rows}", f"{P}.prompt_template={template}"]) == []
+
+
+def test_a_template_naming_a_column_the_row_lacks_is_refused_naming_the_row_and_the_variable(tmp_path):
+    template = tmp_path / "judge.jinja"
+    template.write_text("Is the {{ shapes }} {{ response }}?")
+    rows = _rows_with_a_shape_column(tmp_path)
+    problems = _problems([f"data.train_files={rows}", f"{P}.prompt_template={template}"])
+    (mine,) = [p for p in problems if "prompt_template" in p]
+    assert f"does not render for the first training row ({rows}, row 0)" in mine
+    assert "'shapes' is undefined" in mine and "that row's columns: data_source, shape" in mine
+
+
+def test_the_first_row_is_read_from_each_kind_of_source(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmrl.validate.first_row import first_row
+
+    records = [{"problem": "p0", "answer": "a0"}, {"problem": "p1", "answer": "a1"}]
+    (tmp_path / "rows.jsonl").write_text("\n" + "\n".join(json.dumps(r) for r in records) + "\n")
+    (tmp_path / "rows.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "dir").mkdir()
+    pq.write_table(pa.Table.from_pylist(records[1:]), tmp_path / "dir" / "b.parquet")
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "dir" / "a.parquet")
+    for source in ("rows.jsonl", "rows.json", "rows.parquet", "saved", "dir"):
+        first = first_row(f"{tmp_path / source}, {tmp_path / 'rows.jsonl'}")
+        assert first is not None and first.row == records[0], source
+    assert first_row(str(tmp_path / "dir")).where == f"{tmp_path / 'dir' / 'a.parquet'}, row 0"
+    assert first_row("owner/dataset@train") is None  # a hub dataset is not read at validation
 
 
 def test_a_separate_model_must_fit_beside_the_workers_on_gpu():

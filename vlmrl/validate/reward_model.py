@@ -1,5 +1,6 @@
 """A judge or score model: its path, its architecture against the kind, its placement against the devices, the
-judge's template; and the reward function against it. Read from the model's config.json only: no model loads."""
+judge's template rendered on the training data's first row; and the reward function against it. Read from the
+model's config.json and that one row only: no model loads."""
 
 from __future__ import annotations
 
@@ -10,28 +11,50 @@ from pathlib import Path
 from vlmrl.config import Config, RewardModelKind, RewardModelPlacement
 from vlmrl.plan import Cluster, device, world_size
 from vlmrl.reward.judging import JudgeTemplateError, compile_template, render_question, template_text
+from vlmrl.validate.first_row import FirstRow, first_row
 
 P = "worker.reward.reward_model"
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _GENERATIVE = ("ForConditionalGeneration", "ForCausalLM", "ForImageTextToText")
-_SAMPLE_INPUT = {
-    "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is the shape?<|im_end|>\n",
-    "response": "red",
-    "ground_truth": "red",
-    "images": [None],
-    "data_source": "validation",
-    "sample_id": 0,
-}
-"""What the template is rendered on at validation: the keys every reward input has (a row's own fields
-are not known yet, so a template that uses one is checked at the first step)."""
+_SAMPLE_RESPONSE = "red"
+"""The policy's response in the reward input the template is rendered on at validation."""
 
 
-def reward_model_problems(config: Config, cluster: Cluster) -> list[str]:
+def _sample_input(config: Config, first: FirstRow) -> dict:
+    """The reward input of the training data's first row, as ``vlmrl.driver.scoring.reward_inputs`` makes it, with a
+    sample response: the row's own columns (but the prompt, answer and media), then the keys every input has."""
+    from vlmrl.data.dataset import answer_text
+
+    data, row = config.data, first.row
+    media = (data.prompt_key, data.answer_key, data.image_key, data.video_key)
+    images = row.get(data.image_key)
+    count = 1 if isinstance(images, (str, dict)) else len(images or [])
+    question = str(row.get(data.prompt_key, ""))
+    x = {
+        **{k: v for k, v in row.items() if k not in media},
+        "response": _SAMPLE_RESPONSE,
+        "response_length": 1,
+        "ground_truth": answer_text(row.get(data.answer_key, "")),
+        "prompt": f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+        "data_source": str(row.get("data_source") or "unknown"),
+        "images": [None] * count,
+        "sample_id": 0,
+    }
+    rollout = config.worker.rollout
+    if rollout.agent:
+        x.update(rollout_id="0:0#0")
+    if rollout.multi_turn.enable:
+        x.update(messages=[], num_turns=1, tool_calls=[], turn_rewards=[], stop_reason="done")
+    return x
+
+
+def reward_model_problems(config: Config, cluster: Cluster, pending: tuple[str, ...] = ()) -> list[str]:
+    """``pending``: directories the run builds before it starts (``${tiny:...}`` assets), not to be read yet."""
     rm = config.worker.reward.reward_model
     if not rm.model_path:
         return []
-    problems = _architecture_problems(rm.model_path, rm.kind)
+    problems = [] if _under(rm.model_path, pending) else _architecture_problems(rm.model_path, rm.kind)
     for key, value, low in (("micro_batch_size", rm.micro_batch_size, 1), ("max_length", rm.max_length, 16),
                             ("max_new_tokens", rm.max_new_tokens, 1), ("num_cpus", rm.num_cpus, 1)):  # fmt: skip
         if value < low:
@@ -43,17 +66,40 @@ def reward_model_problems(config: Config, cluster: Cluster) -> list[str]:
     if not rm.max_score > 0:
         problems.append(f"{P}.max_score={rm.max_score}: must be positive")
     if rm.kind is RewardModelKind.judge:
-        try:
-            render_question(compile_template(template_text(rm.prompt_template)), _SAMPLE_INPUT, "a sample input")
-        except JudgeTemplateError as e:
-            problems.append(
-                f"{e} (a template may use question, response, ground_truth, prompt, num_images and the row's fields)"
-            )
+        problems.extend(_template_problems(config, pending))
     elif rm.prompt_template:
         problems.append(f"{P}.prompt_template is set but {P}.kind=score: a score model reads the conversation; "
                         "unset the template or use kind=judge")  # fmt: skip
     problems.extend(_placement_problems(config, cluster))
     return problems
+
+
+def _template_problems(config: Config, pending: tuple[str, ...]) -> list[str]:
+    """The judge's template compiles and renders on the training data's first row (its own columns included).
+
+    The data not built yet (``pending``) or not readable row by row (a hub dataset): the template is only
+    compiled here, and rendered on the first batch.
+    """
+    rm, first = config.worker.reward.reward_model, None
+    try:
+        template = compile_template(template_text(rm.prompt_template))
+        first = None if _under(config.data.train_files, pending) else first_row(config.data.train_files)
+        if first is not None:
+            render_question(template, _sample_input(config, first), f"the first training row ({first.where})")
+    except JudgeTemplateError as e:
+        data = config.data
+        own = sorted(set(first.row) - {data.prompt_key, data.answer_key, data.image_key, data.video_key}) if first else []
+        columns = f"; that row's columns: {', '.join(own)}" if own else ""
+        return [
+            f"{e} (a template may use question, response, ground_truth, prompt, num_images and the row's own "
+            f"columns{columns})"
+        ]
+    return []
+
+
+def _under(paths: str, pending: tuple[str, ...]) -> bool:
+    """Whether any of the comma-separated ``paths`` lies under a directory that is not built yet."""
+    return any(p.strip().startswith(root) for p in paths.split(",") for root in pending)
 
 
 def _architecture_problems(model_path: str, kind: RewardModelKind) -> list[str]:
