@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import (
+    E2E_API_KEY,
     E2E_SAMPLES_LOGGED,
     E2E_TRAINING,
     experiment_dir,
@@ -65,8 +66,11 @@ def e2e_run(quickstart_assets, tmp_path_factory) -> E2ERun:
         "trainer.logger=[console,file,mlflow,tensorboard]",
         "trainer.save_freq=2",
         "trainer.save_limit=1",
+        # A secret from the environment, which nothing the run writes may hold (tests/test_e2e.py); the
+        # logging reward takes it in its **kwargs. The default lets a test reload these args without it.
+        "worker.reward.reward_function_kwargs.api_key=${oc.env:VLMRL_E2E_API_KEY,unset}",
     ]
-    proc = run_main(output_dir, *overrides, experiment="e2e", timeout=900)
+    proc = run_main(output_dir, *overrides, experiment="e2e", env={"VLMRL_E2E_API_KEY": E2E_API_KEY}, timeout=900)
     assert proc.returncode == 0, f"vlmrl.main failed:\n{tail(proc)}"
     args = main_command(output_dir, *overrides, experiment="e2e")[3:]  # from config=... on
     return E2ERun(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers.runs import E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, REPO, read_metrics
+from helpers.runs import E2E_API_KEY, E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, REPO, read_metrics
 from safetensors.torch import load_file
 
 STEPS = E2E_STEPS
@@ -121,3 +121,15 @@ def test_per_step_metrics_are_written(run):
         missing = [k for k in required if k not in m]
         assert not missing, f"step {m['step']} lacks {missing}"
     assert "val/reward/overall" in run["metrics"][-1]
+
+
+def test_no_file_the_run_writes_and_nothing_it_prints_holds_the_secret_from_the_environment(e2e_run):
+    # The reward kwarg api_key=${oc.env:VLMRL_E2E_API_KEY}: config.json beside the outputs and in the checkpoint,
+    # MLflow's params and config.yaml (in mlflow.db and mlartifacts), run.log, metrics, TensorBoard.
+    files = [p for p in e2e_run.dir.rglob("*") if p.is_file()]
+    assert any(p.name == "config.json" and p.parent.name.startswith("global_step_") for p in files)
+    leaking = [str(p) for p in files if E2E_API_KEY.encode() in p.read_bytes()]
+    assert leaking == []
+    assert E2E_API_KEY not in e2e_run.log
+    for config_json in (e2e_run.dir / "config.json", e2e_run.dir / "checkpoints" / f"global_step_{STEPS}" / "config.json"):
+        assert json.loads(config_json.read_text())["config"]["worker"]["reward"]["reward_function_kwargs"]["api_key"] == "***"

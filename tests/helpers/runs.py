@@ -93,6 +93,8 @@ E2E_STEPS = 4
 E2E_PROMPTS = 4
 E2E_N = 4
 E2E_SAMPLES_LOGGED = 2
+E2E_API_KEY = "sk-e2e-5f1c0ffee0ddba11"
+"""The shared run's reward kwarg ``api_key``, from the environment: nothing the run writes may hold it."""
 # The training settings of the shared run; a run that must repeat its training
 # (the resume tests) uses exactly these.
 E2E_TRAINING = [
