@@ -182,3 +182,24 @@ def test_kwargs_that_do_not_fit_the_reward_function_are_reported_without_their_s
         check_kwargs(compute_score, "reward.py:compute_score", {"api_key": SECRET, "token": "tok-value-123"})
     assert SECRET not in str(raised.value) and "tok-value-123" not in str(raised.value)
     assert f"'api_key': '{MASK}'" in str(raised.value)
+
+
+def test_the_runners_logger_params_hold_no_path_from_the_environment(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from vlmrl.driver.runner import _tracker
+    from vlmrl.plan import Cluster, resolve
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("VLMRL_TEST_SCRATCH", str(tmp_path / "scratch-of-bob"))
+    args = ["config=examples/quickstart.yaml", "trainer.output_dir=${oc.env:VLMRL_TEST_SCRATCH}", "trainer.logger=[mlflow]"]
+    config, problems = parse(args)
+    assert problems == []
+    plan = resolve(config, Cluster(0, 2))
+    assert "scratch-of-bob" in plan.experiment_dir
+    _tracker(config, plan, None).close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{Path(plan.experiment_dir) / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(config.trainer.project_name).experiment_id])
+    params = mlrun.data.params
+    assert params["trainer.output_dir"] == MASK and params["plan.experiment_dir"] == MASK
+    assert not [k for k, v in params.items() if "scratch-of-bob" in v]

@@ -35,7 +35,10 @@ from typing import Any
 MASK = "***"
 MIN_SECRET_TEXT = 6
 SECRET_WORDS = frozenset(
-    {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials", "auth", "authorization", "bearer", "cookie"}
+    {
+        "key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials",
+        "auth", "authorization", "bearer", "cookie",
+    }
 )
 SECRET_PARTS = ("password", "passwd", "secret", "apikey")
 
@@ -159,6 +162,17 @@ def redact(tree: Any, schema: Any = None, secrets: Secrets | None = None) -> Any
         return node
 
     return walk(tree, schema, ())
+
+
+def mask_values(tree: Any) -> Any:
+    """A copy of ``tree`` (the plan's values, say) with each string that holds a remembered secret value as ``***``."""
+    if isinstance(tree, dict):
+        return {key: mask_values(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [mask_values(value) for value in tree]
+    if isinstance(tree, str) and mask_text(tree) != tree:
+        return MASK
+    return tree
 
 
 def _field_types(tp: Any) -> dict[str, Any] | None:

@@ -221,7 +221,8 @@ def write_manifest(directory: Path) -> None:
     entries = {}
     for file in _files(directory):
         size = file.stat().st_size
-        entries[file.relative_to(directory).as_posix()] = {"size": size, **({"sha256": _sha256(file)} if size < HASHED_BELOW else {})}
+        entry = {"size": size, "sha256": _sha256(file)} if size < HASHED_BELOW else {"size": size}
+        entries[file.relative_to(directory).as_posix()] = entry
     (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1) + "\n")
 
 

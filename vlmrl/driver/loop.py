@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vlmrl.config import Config, to_dict
+from vlmrl.config.redact import mask_values
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample
 from vlmrl.rng import rng_state, set_rng_state
@@ -292,7 +293,11 @@ class TrainingLoop:
         save_trainer_state(tmp, state)
         (tmp / "config.json").write_text(
             json.dumps(
-                {"config": to_dict(self.config), "plan": self.plan.as_dict(), "fingerprint": fingerprint(self.config)},
+                {
+                    "config": to_dict(self.config),  # secrets as *** (vlmrl.config.redact)
+                    "plan": mask_values(self.plan.as_dict()),
+                    "fingerprint": fingerprint(self.config),
+                },
                 indent=2,
             )
         )

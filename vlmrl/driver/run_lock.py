@@ -107,7 +107,9 @@ def _beats(holder: dict) -> bool:
 class RunLock:
     """The exclusive lock of one directory; ``acquire`` / ``release``, or use as a context manager."""
 
-    def __init__(self, directory: str | Path, what: str, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
+    def __init__(
+        self, directory: str | Path, what: str, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S
+    ):
         self.directory = Path(directory)
         self.what = what
         self.path = self.directory / LOCK_FILE
@@ -179,7 +181,8 @@ class RunLock:
         while not self._stop.wait(self.heartbeat_s):
             holder = self._read()
             if holder is None or not _same_holder(holder, self.me):
-                print(f"run lock: WARNING: {self.path} is no longer this run's (now {_describe(holder or {})})", flush=True)
+                now = _describe(holder or {})
+                print(f"run lock: WARNING: {self.path} is no longer this run's (now {now})", flush=True)
                 return
             with contextlib.suppress(OSError):  # a filesystem hiccup: the next beat tries again
                 os.utime(self.path)

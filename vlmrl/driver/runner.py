@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vlmrl.config import Config, RewardModelPlacement, to_dict
+from vlmrl.config.redact import mask_text, mask_values
 from vlmrl.driver.console import ConsoleFeed, Progress
 from vlmrl.heap import started
 from vlmrl.plan import Plan, describe
@@ -98,8 +99,11 @@ class Runner:
 
         experiment_dir = Path(plan.experiment_dir)
         experiment_dir.mkdir(parents=True, exist_ok=True)
-        (experiment_dir / "config.json").write_text(json.dumps({"config": to_dict(config), "plan": plan.as_dict()}, indent=2))
-        print("plan:\n  " + describe(plan, config).replace("\n", "\n  "), flush=True)
+        # Secrets (vlmrl.config.redact) as ***: to_dict masks the config's, mask_values and mask_text the plan's.
+        (experiment_dir / "config.json").write_text(
+            json.dumps({"config": to_dict(config), "plan": mask_values(plan.as_dict())}, indent=2)
+        )
+        print("plan:\n  " + mask_text(describe(plan, config)).replace("\n", "\n  "), flush=True)
 
         trainer_cfg = config.trainer
         checkpoints = CheckpointManager(plan.checkpoint_dir, trainer_cfg.save_limit)
@@ -209,7 +213,8 @@ def _tracker(config: Config, plan: Plan, resume_from: Path | None):
     # A training run re-logs the steps past its checkpoint: the file logger drops an earlier attempt's lines of them.
     resumed_step = None if trainer_cfg.val_only else saved.get("global_step")
     run = RunInfo(
-        trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config), plan.as_dict(),
+        trainer_cfg.project_name, trainer_cfg.experiment_name, plan.experiment_dir, to_dict(config),
+        mask_values(plan.as_dict()),
         resumed_step=resumed_step,
     )  # fmt: skip
     own_checkpoint = resume_from is not None and resume_from.resolve().parent == Path(plan.checkpoint_dir)
