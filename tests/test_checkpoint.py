@@ -221,3 +221,21 @@ def test_a_checkpoint_of_the_same_model_passes(tmp_path):
     checkpoint = tmp_path / "global_step_3"
     _model_dir(checkpoint / "actor" / "huggingface")
     check_model_matches(checkpoint, str(_model_dir(tmp_path / "model")))
+
+
+def test_a_full_disk_while_writing_the_manifest_removes_the_temporary_directory(tmp_path, monkeypatch):
+    import errno
+
+    import vlmrl.driver.checkpoint as checkpoint
+
+    manager = CheckpointManager(str(tmp_path))
+    tmp = manager.begin(2)
+    (tmp / "shard").write_text("x")
+
+    def full(directory):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(checkpoint, "write_manifest", full)
+    with pytest.raises(OSError, match="injected"):
+        manager.commit(tmp, 2)
+    assert list(tmp_path.iterdir()) == []

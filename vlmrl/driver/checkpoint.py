@@ -155,9 +155,13 @@ class CheckpointManager:
         ``global_step_<k>`` directory is never seen unmarked by a kill of this vlmrl.
         """
         final = self.root / f"global_step_{step}"
-        write_manifest(tmp)
-        _fsync_tree(tmp)
-        _write_marker(tmp, step)
+        try:
+            write_manifest(tmp)
+            _fsync_tree(tmp)
+            _write_marker(tmp, step)
+        except OSError:  # a disk that fills at the last write: no full-size temporary directory is left
+            self.discard(tmp)
+            raise
         if final.exists():
             # Saving a step twice (val_only after a resume, or a step whose earlier copy a resume skipped):
             # the new copy, marked complete, is swapped in with one atomic exchange, so there is always a
