@@ -6,6 +6,10 @@ broken file is a config error before Ray starts) and once in each process
 that runs the code. A file gets a stable module name, so an object pickled
 by reference finds its module again on the other side.
 
+Every user path (data, tools, agents, reward functions, templates) is read
+relative to the current directory; ``resolved_from`` names that directory in
+the error of a relative path that does not exist.
+
 Imports nothing from vlmrl, so every layer may use it.
 """
 
@@ -17,6 +21,13 @@ import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def resolved_from(path: str | Path) -> str:
+    """What to append to "PATH does not exist": for a relative path, the directory it was resolved from."""
+    if Path(path).is_absolute():
+        return ""
+    return f" in {Path.cwd()} (the current directory, which relative paths are read from)"
 
 
 class UserCodeError(ValueError):
@@ -45,7 +56,7 @@ def load_object(spec: str, key: str) -> Any:
 
 def _load_file(path: Path, key: str):
     if not path.is_file():
-        raise UserCodeError(f"{key}: file {path} does not exist")
+        raise UserCodeError(f"{key}: file {path} does not exist{resolved_from(path)}")
     module_name = "vlmrl_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]

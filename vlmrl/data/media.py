@@ -24,6 +24,8 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from vlmrl.user_code import resolved_from
+
 
 class MediaError(ValueError):
     """An image or video that cannot be read or used; the dataset adds the file and row."""
@@ -61,7 +63,8 @@ def open_image(item: Any, image_dir: Path | None) -> Image.Image:
                 path = image_dir / path
             if not path.is_file():
                 raise MediaError(
-                    f"missing image file {str(path)!r}" + ("" if image_dir else " (data.image_dir is not set)")
+                    f"missing image file {str(path)!r}{resolved_from(path)}"
+                    + ("" if image_dir else "; data.image_dir is not set")
                 )
             image = Image.open(path)
         else:
@@ -126,7 +129,7 @@ def decode_video_file(path: Path, fps: float) -> list[Image.Image]:
     import av
 
     if not path.is_file():
-        raise MediaError(f"missing video file {str(path)!r}")
+        raise MediaError(f"missing video file {str(path)!r}{resolved_from(path)}")
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]

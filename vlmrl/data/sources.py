@@ -23,6 +23,7 @@ from pathlib import Path
 import datasets
 
 from vlmrl.data.errors import DataError
+from vlmrl.user_code import resolved_from
 
 # File suffix -> the `datasets` builder that reads it.
 BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
@@ -164,7 +165,7 @@ def _read_entry(entry: str) -> list[tuple[str, datasets.Dataset]]:
     if path.is_file():
         return [(entry, _read_file(path))]
     if path.suffix in BUILDERS or not _HUB_NAME.match(entry):
-        raise DataError(f"{entry}: no such file or directory")
+        raise DataError(f"{entry}: no such file or directory{resolved_from(entry)}")
     return [(entry, _read_hub(entry))]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config.options import RewardManagerType
+from vlmrl.user_code import resolved_from
 from vlmrl.config.redact import redact
 
 KEY = "worker.reward.reward_function"
@@ -40,7 +41,7 @@ def load_reward_function(spec: str) -> tuple[Callable, RewardManagerType | None]
     if location.endswith(".py"):
         path = Path(location)
         if not path.is_file():
-            raise RewardFunctionError(f"{KEY}: file {location} does not exist")
+            raise RewardFunctionError(f"{KEY}: file {location} does not exist{resolved_from(location)}")
         # A stable name per file, so that pickling by reference finds the module again.
         module_name = "vlmrl_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(module_name, path)

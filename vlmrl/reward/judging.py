@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 
 from vlmrl.config.options import JudgeParse
+from vlmrl.user_code import resolved_from
 
 KEY = "worker.reward.reward_model"
 
@@ -45,7 +46,7 @@ def template_text(spec: str) -> str:
     if spec.endswith((".jinja", ".j2", ".txt")) or (len(spec) < 4096 and "\n" not in spec and Path(spec).is_file()):
         path = Path(spec)
         if not path.is_file():
-            raise JudgeTemplateError(f"{KEY}.prompt_template={spec}: no such file")
+            raise JudgeTemplateError(f"{KEY}.prompt_template={spec}: no such file{resolved_from(spec)}")
         return path.read_text()
     return spec
 

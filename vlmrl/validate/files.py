@@ -17,6 +17,7 @@ from vlmrl.plan import ModelKindError, is_hub_id, model_kind, uses_critic
 from vlmrl.reward.function import RewardFunctionError
 from vlmrl.reward.model_reward import reward_spec
 from vlmrl.reward.sandbox import check_loads
+from vlmrl.user_code import resolved_from
 
 __all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
 
@@ -34,14 +35,14 @@ def path_problems(config: Config) -> list[str]:
     ):
         for f in filter(None, (s.strip() for s in files.split(","))):
             if "@" not in f and not Path(f).exists():
-                problems.append(f"{key}: {f} does not exist")
+                problems.append(f"{key}: {f} does not exist{resolved_from(f)}")
     if not model.model_path:
         problems.append(
             "worker.actor.model.model_path is empty: set it to a local HF model directory or a Hub id"
         )
     elif not Path(model.model_path).exists() and not is_hub_id(model.model_path):
         problems.append(
-            f"worker.actor.model.model_path: {model.model_path} does not exist"
+            f"worker.actor.model.model_path: {model.model_path} does not exist{resolved_from(model.model_path)}"
         )
     optional_paths = [
         ("worker.actor.model.tokenizer_path", model.tokenizer_path, True),
@@ -58,7 +59,7 @@ def path_problems(config: Config) -> list[str]:
         )
     for key, path, hub_ok in optional_paths:
         if path and not Path(path).exists() and not (hub_ok and is_hub_id(path)):
-            problems.append(f"{key}: {path} does not exist")
+            problems.append(f"{key}: {path} does not exist{resolved_from(path)}")
     problems.extend(reward_problems(config.worker.reward, agent=config.worker.rollout.agent))
     return problems
 
