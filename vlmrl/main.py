@@ -1,7 +1,10 @@
 """``python -m vlmrl.main config=<yaml> key=value ... [--dry-run | --help [KEY_PREFIX]]``
 
 The config is loaded and validated in full before Ray starts or any model is
-read, so a mistyped key fails in a second with every problem listed.
+read or built, so a mistyped key fails in seconds with every problem listed; the
+tiny assets a YAML names as ``${tiny:...}`` are built only after that (never
+under ``--dry-run``), with one console line saying what, and their progress in
+the run's log.
 ``--help`` lists every option from the config's attribute docstrings (``--help
 worker.rollout`` only those under that prefix); ``--dry-run`` prints the
 resolved config and the resource plan and stops there, without Ray or a model.
@@ -25,7 +28,7 @@ from vlmrl.config import ConfigError, help_text, to_dict
 from vlmrl.config.help import USAGE
 from vlmrl.config.redact import mask_text
 from vlmrl.plan import describe, detect_cluster, resolve
-from vlmrl.testing.resolvers import register_resolvers
+from vlmrl.testing.resolvers import build_missing, register_resolvers
 from vlmrl.validate import load_config
 
 
@@ -52,19 +55,24 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
         print(f"vlmrl: {missing[0]}: no such file\n{USAGE}", file=sys.stderr)
         return 2
     cluster = detect_cluster()
-    # examples/quickstart.yaml names its model and data as ${tiny:...}.
-    register_resolvers()
+    # examples/quickstart.yaml names its model and data as ${tiny:...}. They are only planned here, not built, so
+    # that every key is checked first, in seconds; what is not built yet is built below, once the config is valid.
+    tiny = register_resolvers(build=False)
     try:
-        config = load_config(args, cluster)
+        config = load_config(args, cluster, pending=tiny.pending)
     except ConfigError as e:
         print(f"vlmrl: {e}", file=sys.stderr)
         return 2
+    finally:
+        register_resolvers()  # later loads in this process (the checks after a build, tests) build what they name
     plan = resolve(config, cluster)
     if dry_run:
         print("# resolved config")
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         print("\n# plan")
         print(mask_text(describe(plan, config)))  # a path built from ${oc.env:...} shows as ***
+        if tiny.missing:
+            print(f"not built yet (a run builds them first; --dry-run builds nothing): {tiny.describe_missing()}")
         return 0
 
     from vlmrl.driver.run_lock import RunLocked, run_locks
@@ -72,6 +80,15 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
     try:
         # One run per experiment (and checkpoint) directory, held until this process ends.
         with run_locks(plan.experiment_dir, plan.checkpoint_dir):
+            if tiny.missing:
+                from vlmrl.driver.console import LOG_FILE
+
+                build_missing(tiny, Path(plan.experiment_dir) / LOG_FILE)
+                try:  # what needed the built files: the models' kinds, the judge template on the first row
+                    config = load_config(args, cluster)
+                except ConfigError as e:
+                    print(f"vlmrl: {e}", file=sys.stderr)
+                    return 2
             return _run(config, plan, hooks)
     except RunLocked as e:
         print(f"vlmrl: {e}", file=sys.stderr)

@@ -19,6 +19,8 @@ The rules are grouped by what they look at:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vlmrl.config import Config, ConfigError
 from vlmrl.config.loading import parse
 from vlmrl.plan import Cluster, detect_cluster
@@ -40,30 +42,36 @@ from vlmrl.validate.numbers import batch_problems, range_problems, schedule_prob
 __all__ = ["load_config", "logger_problems", "validate"]
 
 
-def load_config(cli_args: list[str], cluster: Cluster | None = None) -> Config:
+def load_config(
+    cli_args: list[str], cluster: Cluster | None = None, pending: Callable[[], tuple[str, ...]] | None = None
+) -> Config:
     """Build the config from ``config=<yaml>`` and ``key=value`` arguments and validate it.
 
     ``cluster`` is what the machine offers (``vlmrl.plan.detect_cluster()`` when
     not given). Raises ConfigError listing every problem found: unknown keys,
-    wrong types and values, and broken invariants, all at once.
+    wrong types and values, and broken invariants, all at once. ``pending``,
+    asked once the arguments are parsed, gives the directories the run builds
+    before it starts (``vlmrl.testing.resolvers.TinyResolver.pending``): paths
+    under them count as there and are not read.
     """
     config, problems = parse(cli_args)
-    problems.extend(validate(config, cluster))
+    problems.extend(validate(config, cluster, pending() if pending is not None else ()))
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
+def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str, ...] = ()) -> list[str]:
     """Check every invariant that needs neither Ray nor a model; return all problems.
 
     ``cluster`` is what the machine offers (detected when not given). Each
-    problem names its key and value, the rule it breaks and the fix.
+    problem names its key and value, the rule it breaks and the fix. Paths
+    under a ``pending`` directory (built before the run starts) count as there.
     """
     cluster = detect_cluster() if cluster is None else cluster
     # The order is the order problems are listed in.
     return [
-        *path_problems(config),
+        *path_problems(config, pending),
         *model_problems(config),
         *range_problems(config),
         *batch_problems(config),
@@ -78,7 +86,7 @@ def validate(config: Config, cluster: Cluster | None = None) -> list[str]:
         *multi_turn_problems(config),
         *external_agent_problems(config),
         *async_problems(config),
-        *reward_model_problems(config, cluster),
+        *reward_model_problems(config, cluster, pending),
         *checkpoint_problems(config.trainer),
         *logger_problems(config.trainer.logger),
         *not_supported_yet(config, cluster),

@@ -22,7 +22,12 @@ from vlmrl.user_code import resolved_from
 __all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
 
 
-def path_problems(config: Config) -> list[str]:
+def path_problems(config: Config, pending: tuple[str, ...] = ()) -> list[str]:
+    """``pending``: directories built before the run starts (``${tiny:...}`` assets); paths under them count as there."""
+
+    def missing(path: str) -> bool:
+        return not Path(path).exists() and not any(path.startswith(root) for root in pending)
+
     problems = []
     data, model = config.data, config.worker.actor.model
     if not data.train_files:
@@ -34,13 +39,13 @@ def path_problems(config: Config) -> list[str]:
         ("data.val_files", data.val_files),
     ):
         for f in filter(None, (s.strip() for s in files.split(","))):
-            if "@" not in f and not Path(f).exists():
+            if "@" not in f and missing(f):
                 problems.append(f"{key}: {f} does not exist{resolved_from(f)}")
     if not model.model_path:
         problems.append(
             "worker.actor.model.model_path is empty: set it to a local HF model directory or a Hub id"
         )
-    elif not Path(model.model_path).exists() and not is_hub_id(model.model_path):
+    elif missing(model.model_path) and not is_hub_id(model.model_path):
         problems.append(
             f"worker.actor.model.model_path: {model.model_path} does not exist{resolved_from(model.model_path)}"
         )
@@ -58,7 +63,7 @@ def path_problems(config: Config) -> list[str]:
             )
         )
     for key, path, hub_ok in optional_paths:
-        if path and not Path(path).exists() and not (hub_ok and is_hub_id(path)):
+        if path and missing(path) and not (hub_ok and is_hub_id(path)):
             problems.append(f"{key}: {path} does not exist{resolved_from(path)}")
     problems.extend(reward_problems(config.worker.reward, agent=config.worker.rollout.agent))
     return problems
