@@ -31,13 +31,19 @@ def cwd(tmp_path, monkeypatch, quickstart_assets):
     [
         (QUICKSTART, ["data.train_files=data/train.jsonl"], "data.train_files: data/train.jsonl does not exist"),
         (QUICKSTART, ["data.val_files=data/val.jsonl"], "data.val_files: data/val.jsonl does not exist"),
-        (QUICKSTART, ["data.format_prompt=prompts/format.jinja"], "data.format_prompt: prompts/format.jinja does not exist"),
+        (
+            QUICKSTART, ["data.format_prompt=prompts/format.jinja"],
+            "data.format_prompt: prompts/format.jinja does not exist",
+        ),
         (QUICKSTART, ["data.image_dir=images"], "data.image_dir: images does not exist"),
         (
             QUICKSTART, ["worker.actor.model.model_path=models/my/model"],
             "worker.actor.model.model_path: models/my/model does not exist",
         ),
-        (QUICKSTART, ["worker.actor.model.tokenizer_path=tok"], "worker.actor.model.tokenizer_path: tok does not exist"),
+        (
+            QUICKSTART, ["worker.actor.model.tokenizer_path=tok"],
+            "worker.actor.model.tokenizer_path: tok does not exist",
+        ),
         (
             QUICKSTART, ["worker.reward.reward_function=rewards/mine.py:score"],
             "worker.reward.reward_function: file rewards/mine.py does not exist",
@@ -71,12 +77,11 @@ def test_a_missing_relative_path_names_the_directory_it_was_resolved_from(cwd, c
 
 
 def test_the_examples_own_relative_paths_are_read_from_the_current_directory_too(cwd):
-    # Run from elsewhere than the repository, the quickstart's own paths are missing, and say where they were looked for.
-    problems = problems_of(QUICKSTART, cluster=CPU)
-    assert "data.format_prompt: examples/format_prompt/colour.jinja does not exist" + FROM_CWD.format(cwd=cwd) in problems
-    assert (
-        "worker.reward.reward_function: file reward_functions/synthetic_colour.py does not exist" + FROM_CWD.format(cwd=cwd)
-    ) in problems
+    # Run from elsewhere than the repository, the quickstart's own paths are missing and say where they were looked
+    # for.
+    problems, where = problems_of(QUICKSTART, cluster=CPU), FROM_CWD.format(cwd=cwd)
+    assert "data.format_prompt: examples/format_prompt/colour.jinja does not exist" + where in problems
+    assert "worker.reward.reward_function: file reward_functions/synthetic_colour.py does not exist" + where in problems
 
 
 def test_an_absolute_path_is_named_alone(cwd):
