@@ -24,7 +24,8 @@ from helpers.runs import (
 from safetensors.torch import load_file
 
 ASYNC = ["worker.rollout.async_rl.enable=true"]
-ETA1 = [*ASYNC, "worker.rollout.async_rl.max_head_offpolicyness=1", "worker.actor.use_decoupled_loss=true"]
+ETA1 = ASYNC
+"""The switch alone: max_head_offpolicyness defaults to 1, and the decoupled loss follows from it."""
 QUIET = ["data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]"]
 SAME = ["reward/overall", "response_length/mean", "critic/advantages/max", "critic/advantages/min",
         "critic/advantages/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"]  # fmt: skip
