@@ -91,3 +91,28 @@ def test_a_build_says_what_it_builds_on_one_line_and_its_progress_goes_to_the_lo
     text = log.read_text()
     assert "Writing model shards" in text and "format-tune step 1/100" in text and "tiny assets built in" in text
     assert resolver.cache().joinpath("fake-assets", "COMPLETE").is_file()
+
+
+def test_a_run_builds_what_is_missing_after_validation_then_checks_what_needed_the_built_files(
+    empty_cache, tmp_path, capfd
+):
+    # The tiny random model and data only (seconds): an override_config entry the model lacks is found once its
+    # config.json exists, after the build; the run stops there, before Ray.
+    yaml = tmp_path / "tiny.yaml"
+    yaml.write_text(
+        "data: {train_files: '${tiny:train_file}', val_files: '', prompt_key: problem, answer_key: answer, "
+        "image_key: images}\n"
+        "worker:\n  actor: {model: {model_path: '${tiny:model_dir}', override_config: {no_such_entry: 1}}}\n"
+        "  reward: {reward_function: 'reward_functions/synthetic_colour.py:compute_score'}\n"
+        f"trainer: {{output_dir: '{tmp_path / 'out'}'}}\n"
+    )
+    assert main([f"config={yaml}"]) == 2
+    out, err = capfd.readouterr()
+    (line,) = out.splitlines()
+    log = tmp_path / "out" / "vlmrl" / "default" / "run.log"
+    assert line.startswith("vlmrl: building the tiny random Qwen2.5-VL and its synthetic data (seconds) (the config "
+                           "names ${tiny:train_file}, ${tiny:model_dir})")  # fmt: skip
+    assert line.endswith(f"(progress in {log})")
+    assert "Writing model shards" not in out + err and "Writing model shards" in log.read_text()
+    assert "override_config.no_such_entry" in err and "has no entry 'no_such_entry'" in err
+    assert _built(empty_cache) == [f"tiny-assets-{resolvers.assets.assets_version()}"]
