@@ -72,7 +72,7 @@ def load_processor(model_path: str, tokenizer_path: str | None = None, trust_rem
 
     path = tokenizer_path or model_path
     if model_kind(model_path, trust_remote_code) is ModelKind.vision_language:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     named = named_processor_class(path)
     if named and announce:
         print(
@@ -80,7 +80,7 @@ def load_processor(model_path: str, tokenizer_path: str | None = None, trust_rem
             "model): loading its tokenizer alone",
             flush=True,
         )
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def named_processor_class(path: str) -> str | None:
