@@ -68,3 +68,23 @@ def test_a_save_interval_that_is_not_positive_is_refused_with_the_fix():
         problems = problems_of(QUICKSTART, f"trainer.save_every_minutes={value}")
         assert any("trainer.save_every_minutes" in p and "positive number of minutes" in p for p in problems), problems
     assert load_config([QUICKSTART, "trainer.save_every_minutes=null"], CPU).trainer.save_every_minutes is None
+
+
+def test_the_plan_says_when_the_run_saves_and_how_long_a_call_may_take():
+    from helpers.configs import CPU, QUICKSTART
+
+    from vlmrl.plan import describe, resolve
+    from vlmrl.validate import load_config
+
+    def plan_lines(*overrides):
+        config = load_config([QUICKSTART, *overrides], CPU)
+        return describe(resolve(config, CPU), config).splitlines()
+
+    lines = plan_lines()
+    assert "checkpoints: every 30 min of training, at the end and on SIGTERM/SIGINT; keeping all" in lines
+    assert "step timeout: a worker call past 3600 s fails the run" in lines
+    lines = plan_lines(
+        "trainer.save_freq=5", "trainer.save_every_minutes=null", "trainer.save_limit=2", "trainer.step_timeout_s=null"
+    )
+    assert "checkpoints: every 5 steps, at the end and on SIGTERM/SIGINT; keeping the newest 2" in lines
+    assert "step timeout: none (a hung call waits forever)" in lines

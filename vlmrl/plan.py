@@ -414,6 +414,16 @@ def _notes(config: Config) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _save_text(trainer) -> str:
+    """When the run saves, as the plan says it: by step count, by time, at the end; and how many it keeps."""
+    when = [f"every {trainer.save_freq} steps"] if trainer.save_freq > 0 else []
+    if trainer.save_every_minutes is not None:
+        when.append(f"every {trainer.save_every_minutes:g} min of training")
+    when.append("at the end and on SIGTERM/SIGINT")
+    keep = "all" if trainer.save_limit == -1 else f"the newest {trainer.save_limit}"
+    return f"{', '.join(when)}; keeping {keep}"
+
+
 def describe(plan: Plan, config: Config) -> str:
     """The resource plan in a few lines, for --dry-run."""
     actor, trainer, rollout = config.worker.actor, config.trainer, config.worker.rollout
@@ -476,6 +486,13 @@ def describe(plan: Plan, config: Config) -> str:
         ),
         f"training steps: {steps}",
         f"outputs: {plan.experiment_dir} (checkpoints in {plan.checkpoint_dir})",
+        f"checkpoints: {_save_text(config.trainer)}",
+        "step timeout: "
+        + (
+            f"a worker call past {config.trainer.step_timeout_s:g} s fails the run"
+            if config.trainer.step_timeout_s is not None
+            else "none (a hung call waits forever)"
+        ),
     ]
     rm = config.worker.reward.reward_model
     if rm.model_path:
