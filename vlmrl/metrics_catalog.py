@@ -151,40 +151,42 @@ _ROLLOUT = (
            "samples exist"),
 )
 
+_LOOP = "worker.rollout.multi_turn"
+_LOOP_TOOLS = "worker.rollout.multi_turn, when a tool was called"
+_TURNS = "multi-turn rollouts and external agents' rows"
+
 _MULTI_TURN = (
-    Metric("agent/turns/mean", "Mean model turns per trajectory."),
-    Metric("agent/turns/max", "Most model turns of a trajectory this step."),
-    Metric("agent/turns/min", "Fewest model turns of a trajectory this step."),
-    Metric("agent/tool_calls/mean", "Tool calls per trajectory, over all tools."),
-    Metric("agent/tool_calls/{tool}", "Calls of one configured tool per trajectory (a name the model made up "
-           "counts in agent/tool/unknown_tool_rate instead).", "multi-turn rollouts, for each tool called"),
-    Metric("agent/tool/success_rate", "Share of tool calls that ran and returned.", "when a tool was called"),
-    Metric("agent/tool/parse_error_rate", "Share of tool calls whose call text did not parse.",
-           "when a tool was called"),
-    Metric("agent/tool/timeout_rate", "Share of tool calls that passed worker.rollout.multi_turn.tool_timeout.",
-           "when a tool was called"),
-    Metric("agent/tool/unknown_tool_rate", "Share of tool calls naming a tool that is not configured.",
-           "when a tool was called"),
-    Metric("agent/tool/latency_p50_s", "Median seconds a tool call took.", "when a tool was called"),
-    Metric("agent/tool/latency_p95_s", "95th percentile of the seconds a tool call took.", "when a tool was called"),
-    Metric("agent/stop/done", "Share of trajectories that ended because the model answered without a tool call "
-           "(or the environment said done)."),
-    Metric("agent/stop/max_turns", "Share of trajectories cut at worker.rollout.multi_turn.max_turns."),
-    Metric("agent/stop/length", "Share of trajectories that ran out of the data.max_response_length budget."),
-    Metric("agent/stop/error", "Share of trajectories ended by an error: a failed environment reset or step, or "
-           "an observation that could not be rendered."),
-    Metric("agent/images/mean", "Images added after the prompt per trajectory (by tools or the environment; with "
-           "external agents, every image of the row's calls)."),
+    Metric("agent/turns/mean", "Mean model turns per trajectory (an external agent's row: its calls).", _TURNS),
+    Metric("agent/turns/max", "Most model turns of a trajectory this step.", _TURNS),
+    Metric("agent/turns/min", "Fewest model turns of a trajectory this step.", _TURNS),
+    Metric("agent/images/mean", "Images added after the prompt per trajectory (by tools or the environment; an "
+           "external agent's row: every image of its calls).", _TURNS),
     Metric("agent/observation_tokens/mean", "Tokens after the prompt that the model did not write (tool or "
-           "environment output, untrained), per trajectory."),
+           "environment output, untrained), per trajectory.", _TURNS),
     Metric("action/ratio", "Share of the tokens after the prompt that the model wrote (trained); the rest are "
-           "observations."),
-    Metric("agent/render_mismatch_rate", "Share of checked trajectories (the first of each group) whose tokens "
-           "differ from the chat template's rendering of the same conversation; should be 0.",
-           "multi-turn rollouts, when a trajectory was checked"),
+           "observations.", _TURNS),
     Metric("agent/log_prob_diff/turn_{turn}", "Mean absolute vLLM-vs-actor log-prob difference on the tokens of "
            "model turn {turn} (from 0); it should not grow with the turn.",
-           "multi-turn rollouts with worker.rollout.calculate_log_probs"),
+           f"{_TURNS}, with worker.rollout.calculate_log_probs"),
+    Metric("agent/tool_calls/mean", "Tool calls per trajectory, over all tools.", _LOOP),
+    Metric("agent/tool_calls/{tool}", "Calls of one configured tool per trajectory (a name the model made up "
+           "counts in agent/tool/unknown_tool_rate instead).", f"{_LOOP}, for each tool called"),
+    Metric("agent/tool/success_rate", "Share of tool calls that ran and returned.", _LOOP_TOOLS),
+    Metric("agent/tool/parse_error_rate", "Share of tool calls whose call text did not parse.", _LOOP_TOOLS),
+    Metric("agent/tool/timeout_rate", "Share of tool calls that passed worker.rollout.multi_turn.tool_timeout.",
+           _LOOP_TOOLS),
+    Metric("agent/tool/unknown_tool_rate", "Share of tool calls naming a tool that is not configured.", _LOOP_TOOLS),
+    Metric("agent/tool/latency_p50_s", "Median seconds a tool call took.", _LOOP_TOOLS),
+    Metric("agent/tool/latency_p95_s", "95th percentile of the seconds a tool call took.", _LOOP_TOOLS),
+    Metric("agent/stop/done", "Share of trajectories that ended because the model answered without a tool call "
+           "(or the environment said done).", _LOOP),
+    Metric("agent/stop/max_turns", "Share of trajectories cut at worker.rollout.multi_turn.max_turns.", _LOOP),
+    Metric("agent/stop/length", "Share of trajectories that ran out of the data.max_response_length budget.", _LOOP),
+    Metric("agent/stop/error", "Share of trajectories ended by an error: a failed environment reset or step, or "
+           "an observation that could not be rendered.", _LOOP),
+    Metric("agent/render_mismatch_rate", "Share of checked trajectories (the first of each group) whose tokens "
+           "differ from the chat template's rendering of the same conversation; should be 0.",
+           f"{_LOOP}, when a trajectory was checked"),
 )
 
 _EXTERNAL_AGENTS = (
@@ -385,12 +387,13 @@ _DATA = (
 
 SECTIONS: tuple[tuple[str, str, tuple[Metric, ...]], ...] = (
     ("Rewards", "What the reward function returned, as means over the step's samples.", _REWARDS),
-    ("Actor", "The policy update: its loss, clipping, KL, entropy and optimizer.", _ACTOR),
+    ("Actor", "The policy update (in the steps after trainer.critic_warmup): its loss, clipping, KL, entropy and "
+     "optimizer; and the KL of the batch to the reference.", _ACTOR),
     ("Critic", "Scores, rewards, advantages and returns of the batch (under EasyR1's critic/ names, for every "
      "estimator), and the critic's values and update under GAE.", _CRITIC),
     ("Rollout", "The responses' lengths, and how far vLLM's log-probs are from the actor's.", _ROLLOUT),
-    ("Multi-turn agents", "Multi-turn rollouts (tools or an environment), and the rows of external agents, which "
-     "are multi-turn too.", _MULTI_TURN),
+    ("Multi-turn agents", "Multi-turn rollouts with tools or an environment (worker.rollout.multi_turn); the turn, "
+     "image and token counts also for the rows of external agents.", _MULTI_TURN),
     ("External agents", "Agents that call the model through vlmrl's OpenAI-compatible endpoint, and how their "
      "calls became training rows.", _EXTERNAL_AGENTS),
     ("Asynchronous training", "Bounded staleness: how old the trained groups are, the staleness manager's counters "
