@@ -300,9 +300,10 @@ _TIMING = (
            "after trainer.critic_warmup steps"),
     Metric("timing_s/testing", "Seconds of validation.", "at each validation"),
     Metric("timing_s/save_checkpoint", "Seconds of the checkpoint save.", "when a checkpoint is saved"),
-    Metric("timing_s/gen/requests", "Seconds of the rollout spent building the engine requests."),
+    Metric("timing_s/gen/requests", "Seconds of the rollout spent building the engine requests.",
+           "single-turn rollouts"),
     Metric("timing_s/gen/engine", "Seconds of the rollout the engine stepped (multi-turn: its turns' "
-           "generation)."),
+           "generation).", "single-turn and multi-turn rollouts (not external agents)"),
     Metric("timing_s/gen/outputs", "Seconds of the rollout spent ordering the engine's outputs.",
            "single-turn rollouts in the workers' engines"),
     Metric("timing_s/gen/trajectories", "Seconds of the rollout spent making the workers' records of the samples.",
@@ -315,7 +316,7 @@ _TIMING = (
     Metric("timing_s/gen/rows", "Seconds of the rollout spent turning the agents' calls into rows.",
            "worker.rollout.agent"),
     Metric("timing_s/gen/driver_call", "Seconds of the whole rollout call as the driver waited for it.",
-           "when the workers generate"),
+           "when the training workers generate (not on disaggregated rollout servers)"),
     Metric("timing_s/gen/server_call", "Seconds from submitting rollouts to the rollout servers to collecting "
            "them (overlaps training, so latency rather than cost).", "async training, disaggregated"),
     Metric("timing_s/resync_worker", "Seconds of the slowest worker's weight resync.",
