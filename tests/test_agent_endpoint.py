@@ -7,8 +7,9 @@
   log-probs, one per token, equal to those the response returned. No response holds a vision token.
 - Agents call at once, each under its own rollout; each rollout gets its own calls only.
 - Security: the endpoint listens on 127.0.0.1 only; a missing or wrong token gets 401, an unknown or ended
-  rollout 404 / 410 naming it, all in OpenAI's error shape; a call in flight when its rollout closes is
-  aborted and not recorded; after ``close`` the port refuses connections.
+  rollout 404 / 410 naming it, all in OpenAI's error shape (that a key serves its own rollout only is
+  tests/test_agent_endpoint_bounds.py's); a call in flight when its rollout closes is aborted and not
+  recorded; after ``close`` the port refuses connections.
 - A call over the length budget (max_tokens over the per-call budget, or prompt + max_tokens over the
   context) gets 400 in that shape and is not recorded; so do options that would make the recorded tokens
   something else than the policy's samples (stream, stop strings, logit_bias) and images that are not data URLs.
@@ -254,7 +255,7 @@ def test_a_missing_or_wrong_token_is_refused(endpoint):
     status, reply = _post(endpoint, "/chat/completions", body, key="not-the-token:guarded")
     assert status == 401
     _assert_error_shape(reply, "invalid_api_key")
-    # The token alone, without the rollout id, does not serve a call either; /v1/models needs the token too.
+    # The rollout's credential without its rollout id does not serve a call either; /v1/models needs the token too.
     status, reply = _post(endpoint, "/chat/completions", body, key=endpoint.api_key("guarded").split(":")[0])
     assert status == 401
     with pytest.raises(openai.AuthenticationError) as e:
@@ -266,9 +267,11 @@ def test_a_missing_or_wrong_token_is_refused(endpoint):
 
 def test_unknown_and_ended_rollouts_are_refused_by_name(endpoint):
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    status, reply = _post(endpoint, "/chat/completions", body, key=endpoint.api_key("never-opened"))
+    credential = endpoint.open_rollout("probe").partition(":")[0]  # a valid token (and another rollout's secret)
+    status, reply = _post(endpoint, "/chat/completions", body, key=f"{credential}:never-opened")
     assert status == 404
     _assert_error_shape(reply, "rollout_not_found", "never-opened")
+    assert endpoint.close_rollout("probe") == []
     endpoint.open_rollout("short")
     status, _ = _post(endpoint, "/chat/completions", body, key=endpoint.api_key("short"))
     assert status == 200

@@ -186,8 +186,8 @@ def test_raising_and_callless_agents_are_counted_and_on_failed_sees_them(endpoin
     from_hooks.clear()
     hooks = load_hooks({"on_enqueue": spec("hooks:on_enqueue"), "on_failed": spec("hooks:on_failed")})
     raised = _run(endpoint, "raising:solve", _tasks("raise", 2, images=False), hooks=hooks)
-    token = endpoint.api_key("x").split(":")[0]
     for record in raised.rollouts:
+        token = endpoint.api_key(record.rollout_id).split(":")[0]  # the endpoint's token and the rollout's secret
         assert record.status is AgentStatus.raised and record.reward is None
         assert len(record.calls) == 1  # what it did before raising is still returned
         assert record.error.startswith("ValueError: this agent gave up") and "raising.py" in record.error

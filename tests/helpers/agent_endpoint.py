@@ -11,6 +11,7 @@ from vlmrl.data.chat import template_has_tools, tools_system_message
 from vlmrl.data.media import resize_to_grid
 from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
 from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput
 from vlmrl.rollout.sampling import sampling_mask
 from vlmrl.rollout.vllm_engine import VLLMEngine
 
@@ -51,3 +52,35 @@ def new_endpoint(engine, processor, max_model_len: int, max_tokens: int) -> Agen
         tools_message=tools_system_message,
     )  # fmt: skip
     return AgentEndpoint(engine, renderer, EndpointLimits(max_model_len=max_model_len, max_tokens=max_tokens))
+
+
+class EchoEngine(Engine):
+    """A stub engine that answers every request at once with the same few tokens (for the endpoint's own bounds,
+    where what is sampled does not matter)."""
+
+    def __init__(self, token_ids: list[int], seed: int = 5):
+        self.token_ids, self.seed = list(token_ids), seed
+        self.queue: list[EngineRequest] = []
+        self.requests: list[EngineRequest] = []
+
+    def add(self, request: EngineRequest) -> None:
+        self.queue.append(request)
+        self.requests.append(request)
+
+    def step(self) -> list[EngineOutput]:
+        ids, log_probs = self.token_ids, [-0.5] * len(self.token_ids)
+        out = [
+            EngineOutput(r.request_id, [SampleOutput(ids, "", log_probs, "stop")] * r.sampling.n, self.version)
+            for r in self.queue
+        ]
+        self.queue = []
+        return out
+
+    def abort(self, request_ids) -> None:
+        self.queue = [r for r in self.queue if r.request_id not in set(request_ids)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def _load(self, named_tensors) -> None:
+        pass

@@ -41,7 +41,7 @@ How it runs:
 Each rollout is opened on the endpoint before its agent starts and closed as
 soon as it ends, so a late call (a thread the agent left behind) is refused
 and recorded nowhere. A rollout ends ``ok``; ``raised`` (the traceback is kept,
-with the endpoint's token masked; also for a return value that is not a
+with the rollout's key masked; also for a return value that is not a
 finite number or None); ``timeout``; ``died`` (a sync agent's
 process crashed); or ``no_call`` (it returned without calling the model, so
 there is nothing to train on). Only ``ok`` rollouts train; the counts say how
@@ -292,8 +292,8 @@ class AgentRunner:
     async def _rollout(self, record: RolloutRecord, slots: asyncio.Semaphore, run: AgentRun) -> RolloutRecord:
         async with slots:
             endpoint, rollout_id = self.endpoint, record.rollout_id
-            llm = AgentLLM(endpoint.base_url, endpoint.api_key(rollout_id), endpoint.model_name)
-            endpoint.open_rollout(rollout_id, record.task.seed, record.task.temperature)
+            key = endpoint.open_rollout(rollout_id, record.task.seed, record.task.temperature)
+            llm = AgentLLM(endpoint.base_url, key, endpoint.model_name)
             try:
                 status, value, seconds = await self._call_agent(record.task, llm)
             finally:
@@ -309,7 +309,9 @@ class AgentRunner:
         else:
             error = value
         if error is not None:
-            error = error.replace(llm.api_key.split(":", 1)[0], "<token>")  # the agent may have printed its key
+            # The agent may have printed its key: its token and its secret are masked wherever they appear.
+            for secret in llm.api_key.split(":", 1)[0].split("."):
+                error = error.replace(secret, "<token>")
         answer = None
         if status is AgentStatus.ok and reward is None and self.decode is not None:
             answer = self.decode(calls[-1].response_ids)

@@ -46,7 +46,7 @@ class AgentLLM:
 
     base_url: str
     api_key: str = field(repr=False)
-    """Secret for the run (it holds the endpoint's token): never print or log it."""
+    """This rollout's own key (the endpoint's token and the rollout's secret): never print or log it."""
     model: str = "vlmrl"
 
 

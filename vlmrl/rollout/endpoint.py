@@ -8,16 +8,30 @@ log-probs and the policy version that served it. It serves
 ``POST /v1/chat/completions`` (images as ``image_url`` data URLs, tools),
 ``POST /v1/completions`` and ``GET /v1/models``.
 
-Who is calling: the API key is ``<token>:<rollout id>`` (``api_key``). The
-token is random per endpoint (``secrets.token_urlsafe``) and has no ":", so the
-key splits at its first ":" and a rollout id may hold anything. A missing or
-wrong token is refused with 401; a rollout id the owner never opened
-(``open_rollout``), or one it closed (``close_rollout``), with 404 or 410
-naming it. Errors have OpenAI's shape, ``{"error": {"message", "type",
+Who is calling: each rollout has its own API key, ``<token>.<secret>:<rollout
+id>`` (what ``open_rollout`` returns, and ``api_key``). The token is random per
+endpoint and the secret random per rollout (``secrets.token_urlsafe``, neither
+holds "." or ":"), so the key splits at its first ":" and a rollout id may hold
+anything. A missing or wrong token is refused with 401; a rollout id the owner
+never opened (``open_rollout``) with 404; a key whose secret is not the
+rollout's it names with 403 (one rollout, or a client cached across rollouts,
+cannot call into another); a rollout the owner closed (``close_rollout``) with
+410 naming it. Errors have OpenAI's shape, ``{"error": {"message", "type",
 "param", "code"}}``. The key was chosen over a header or a URL path because
 every OpenAI-compatible client lets the user set it, and nothing else.
 
 It binds 127.0.0.1 by default, and only from ``start`` to ``close``.
+
+Bounds (``EndpointLimits``): at most ``max_connections`` connections are open
+at once (one more is answered 503 and closed); a connection that has not sent
+a request's headers within ``header_timeout_s`` of opening (or of its last
+reply) is closed; a body not received within ``body_timeout_s`` is answered
+408 and its connection closed. A body larger than ``max_body_bytes``, by
+default what the engine can take (``body_bound``: the context's text and the
+per-call image budget), is answered 413 from its ``Content-Length``, before
+it is read, and its connection is closed unread. Images are checked against
+the per-call budget from their headers before they are decoded
+(``vlmrl.rollout.endpoint_render.RenderBudget``).
 
 Length: a call whose prompt (image placeholders expanded, as the engine counts
 it) plus ``max_tokens`` exceeds ``max_model_len``, or that asks more than the
@@ -35,9 +49,10 @@ and ``ignore_eos`` as in vLLM's server; each response says the weight version
 that served it in ``vlmrl_version`` and the ``X-Vlmrl-Version`` header, and its
 calls' indices in ``vlmrl_call_indices``.
 
-Concurrency: HTTP handlers run on one asyncio thread; rendering (image
-decoding, the chat template, the processor) runs on one helper thread, since a
-processor is not known to be thread-safe; the engine is driven only by an
+Concurrency: HTTP handlers run on one asyncio thread; rendering runs on a
+pool of ``render_threads`` helper threads, so one call's slow images do not
+hold up another's (the renderer serializes its own use of the processor and
+tokenizer, which are not thread-safe); the engine is driven only by an
 ``EngineLoop`` thread. For a weight sync, ``load_weights`` (or ``paused`` around
 the owner's own steps) holds new calls, waits for those in flight, loads, and
 lets the held calls go to the new weights. Between ``start`` and ``close``
@@ -69,33 +84,22 @@ from typing import Any
 from aiohttp import web
 
 from vlmrl.rollout.endpoint_loop import Aborted, EngineLoop
+from vlmrl.rollout.endpoint_limits import ENCODED_BYTES_PER_PIXEL, EndpointLimits, Refused, body_bound
 from vlmrl.rollout.endpoint_openai import EndpointError, Options, chat_choice, completion_choice, parse_options
-from vlmrl.rollout.endpoint_render import ChatRenderer, RenderedPrompt, RenderError
+from vlmrl.rollout.endpoint_render import ChatRenderer, OverBudget, RenderedPrompt, RenderError
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, NamedTensors, Sampling
 from vlmrl.rollout.tool_parsers import ParsedTurn, parse_qwen
 from vlmrl.rollout.traces import Call
 
-__all__ = ["VERSION_HEADER", "AgentEndpoint", "EndpointError", "EndpointLimits"]
+__all__ = ["VERSION_HEADER", "AgentEndpoint", "EndpointError", "EndpointLimits", "body_bound"]
 
 VERSION_HEADER = "X-Vlmrl-Version"
 
 
-@dataclass(frozen=True)
-class EndpointLimits:
-    max_model_len: int
-    """The engine's context: a call's prompt (patch tokens expanded) plus its max_tokens must fit."""
-    max_tokens: int
-    """The most tokens one call may sample; a call that gives no max_tokens gets up to this."""
-    max_images: int = 0
-    """The most images one call may carry; 0: no limit here (the engine's own still holds)."""
-    max_n: int = 16
-    """The most samples one call may ask for (``n``)."""
-    max_body_bytes: int = 64 << 20
-    """The largest request body (images arrive base64-encoded in it)."""
-
-
 @dataclass
 class _Rollout:
+    secret: str
+    """The rollout's part of its API key: a call that names the rollout must hold it."""
     calls: list[Call] = field(default_factory=list)
     next_index: int = 0
     requests: set[str] = field(default_factory=set)
@@ -120,22 +124,27 @@ class AgentEndpoint:
         port: int = 0,
         model_name: str = "vlmrl",
         parse_tools: Callable[[str], ParsedTurn] = parse_qwen,
+        render_threads: int = 4,
     ):
         """``port`` 0 takes a free one (see ``port`` after ``start``); ``parse_tools`` reads tool calls from a
-        response's text when the request has tools (``vlmrl.rollout.tool_parsers``)."""
+        response's text when the request has tools (``vlmrl.rollout.tool_parsers``); ``render_threads``: calls
+        rendered at once."""
         self.engine, self.renderer, self.limits = engine, renderer, limits
+        self.render_threads = render_threads
         self.host, self.model_name, self.parse_tools = host, model_name, parse_tools
         self._requested_port = port
         self.port: int | None = None
         self._token = secrets.token_urlsafe(32)
         self._lock = threading.Lock()
         self._rollouts: dict[str, _Rollout] = {}
-        self._ended: set[str] = set()
+        self._ended: dict[str, str] = {}
+        """Closed rollouts' ids and secrets (so a late call with the right key hears that its rollout ended)."""
         self._request_ids = itertools.count()
         self._engine_loop: EngineLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._render_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -145,7 +154,7 @@ class AgentEndpoint:
         if self._engine_loop is not None:
             raise RuntimeError("the endpoint was started already")
         self._engine_loop = EngineLoop(self.engine)
-        self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrl-endpoint-render")
+        self._render_pool = ThreadPoolExecutor(self.render_threads, thread_name_prefix="vlmrl-endpoint-render")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlmrl-endpoint-http", daemon=True)
         self._thread.start()
@@ -157,11 +166,16 @@ class AgentEndpoint:
         return self
 
     async def _listen(self) -> None:
-        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.limits.body_bytes(), middlewares=[self._errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+        # keepalive_timeout closes a connection that has sent no complete request's headers that long after it
+        # opened or after its last reply; lingering_time=0: a refused body is not read to its end.
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+            keepalive_timeout=self.limits.header_timeout_s, lingering_time=0,
+        )  # fmt: skip
         await self._runner.setup()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -172,21 +186,32 @@ class AgentEndpoint:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        server, cap = self._runner.server, self.limits.max_connections
+        assert server is not None
+
+        def connection() -> asyncio.Protocol:  # aiohttp's protocol, or a refusal past the cap
+            return server() if len(server.connections) < cap else Refused(cap)
+
+        self._listener = await asyncio.get_running_loop().create_server(connection, sock=sock, backlog=128)
+
+    async def _stop_serving(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
     def close(self, timeout: float = 30.0) -> None:
         """Refuse and abort every call, stop listening (the port is free after) and stop the threads."""
         if self._engine_loop is not None:
             self._engine_loop.close(timeout)  # first: handlers waiting on the engine answer at once
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            if self._runner is not None:
-                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(self._stop_serving(), self._loop).result(timeout)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
             self._loop.close()
         if self._render_pool is not None:
             self._render_pool.shutdown(wait=False, cancel_futures=True)
-        self._runner = self._loop = self._thread = None
+        self._runner = self._listener = self._loop = self._thread = None
 
     def __enter__(self) -> AgentEndpoint:
         return self
@@ -203,16 +228,23 @@ class AgentEndpoint:
         return f"http://{host}:{self.port}/v1"
 
     def api_key(self, rollout_id: str) -> str:
-        """The key an agent of ``rollout_id`` calls with: ``<token>:<rollout id>``."""
-        return f"{self._token}:{rollout_id}"
+        """The key an agent of ``rollout_id`` calls with, ``<token>.<secret>:<rollout id>``: the one
+        ``open_rollout`` returned. KeyError for a rollout never opened."""
+        with self._lock:
+            rollout = self._rollouts.get(rollout_id)
+            secret = rollout.secret if rollout is not None else self._ended.get(rollout_id)
+        if secret is None:
+            raise KeyError(f"rollout {rollout_id!r} was never opened: it has no key")
+        return f"{self._token}.{secret}:{rollout_id}"
 
     def __repr__(self) -> str:  # never the token
         return f"AgentEndpoint(host={self.host!r}, port={self.port})"
 
     # ------------------------------------------------------------ rollouts
 
-    def open_rollout(self, rollout_id: str, seed: int | None = None, temperature: float = 1.0) -> None:
-        """Accept calls for ``rollout_id`` from now until ``close_rollout``. An id is used once.
+    def open_rollout(self, rollout_id: str, seed: int | None = None, temperature: float = 1.0) -> str:
+        """Accept calls for ``rollout_id`` from now until ``close_rollout``; the API key they must carry (its
+        own: a key of another rollout is refused). An id is used once.
 
         ``seed``: a call that gives no seed of its own samples with ``seed`` plus its index in the rollout;
         None leaves such calls to the engine's generator. ``temperature``: for calls that give none."""
@@ -221,7 +253,8 @@ class AgentEndpoint:
         with self._lock:
             if rollout_id in self._rollouts or rollout_id in self._ended:
                 raise ValueError(f"rollout {rollout_id!r} was opened before; rollout ids are used once")
-            self._rollouts[rollout_id] = _Rollout(seed=seed, temperature=temperature)
+            self._rollouts[rollout_id] = _Rollout(secrets.token_urlsafe(24), seed=seed, temperature=temperature)
+        return self.api_key(rollout_id)
 
     def close_rollout(self, rollout_id: str) -> list[Call]:
         """End ``rollout_id``: later calls are refused, calls in flight are aborted (their agents get 410).
@@ -233,7 +266,7 @@ class AgentEndpoint:
             rollout = self._rollouts.pop(rollout_id, None)
             if rollout is None:
                 raise KeyError(f"rollout {rollout_id!r} is not open")
-            self._ended.add(rollout_id)
+            self._ended[rollout_id] = rollout.secret
             pending = list(rollout.requests)
         if pending and self._engine_loop is not None:
             self._engine_loop.abort(pending)
@@ -295,22 +328,35 @@ class AgentEndpoint:
         except EndpointError as e:
             return _error(e)
         except web.HTTPException as e:  # no such route, wrong method, body too large: in OpenAI's shape too
-            return _error(EndpointError(e.status, e.reason or "error", f"http_{e.status}"))
+            return _error(EndpointError(e.status, e.reason or "error", f"http_{e.status}", close=e.status == 413))
         except Exception as e:
             return _error(EndpointError(500, f"{type(e).__name__}: {e}", "internal_error", "server_error"))
 
     def _authorize(self, request: web.Request, *, rollout: bool = True) -> str:
-        """The caller's rollout id, once its key holds the token (and names an open rollout)."""
+        """The caller's rollout id, once its key holds the token and the secret of the open rollout it names."""
         header = request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise EndpointError(401, "no API key: send 'Authorization: Bearer <token>:<rollout id>'", "missing_api_key")
-        token, _, rollout_id = key.strip().partition(":")
+            raise EndpointError(401, "no API key: send 'Authorization: Bearer <the rollout's llm.api_key>'",
+                                "missing_api_key")  # fmt: skip
+        credential, _, rollout_id = key.strip().partition(":")
+        token, _, secret = credential.partition(".")
         if not hmac.compare_digest(token.encode(), self._token.encode()):
             raise EndpointError(401, "incorrect API key", "invalid_api_key")
-        if rollout:
-            with self._lock:
-                self._live(rollout_id)
+        if not rollout:
+            return rollout_id
+        with self._lock:
+            if not rollout_id:
+                raise EndpointError(401, "the API key names no rollout: use the rollout's own llm.api_key",
+                                    "invalid_api_key")  # fmt: skip
+            live = self._rollouts.get(rollout_id)
+            own = live.secret if live is not None else self._ended.get(rollout_id)
+            if own is not None and not hmac.compare_digest(secret.encode(), own.encode()):
+                raise EndpointError(
+                    403, f"the API key is not rollout {rollout_id!r}'s: each rollout calls with its own key "
+                    "(its llm.api_key), and a key serves no other rollout", "wrong_rollout_key", "permission_error",
+                )  # fmt: skip
+            self._live(rollout_id)
         return rollout_id
 
     def _live(self, rollout_id: str) -> _Rollout:
@@ -318,15 +364,31 @@ class AgentEndpoint:
         rollout = self._rollouts.get(rollout_id)
         if rollout is not None:
             return rollout
-        if not rollout_id:
-            raise EndpointError(401, "the API key names no rollout: use '<token>:<rollout id>'", "invalid_api_key")
         if rollout_id in self._ended:
             raise EndpointError(410, f"rollout {rollout_id!r} has ended; it takes no more calls", "rollout_ended")
         raise EndpointError(404, f"rollout {rollout_id!r} is unknown: it was never opened", "rollout_not_found")
 
     async def _body(self, request: web.Request) -> dict:
+        """The JSON body, refused (413) from its declared length before it is read when it is over the bound,
+        and (408) when it does not arrive within ``body_timeout_s``; either closes the connection."""
+        bound = self.limits.body_bytes()
+        if request.content_length is not None and request.content_length > bound:
+            raise EndpointError(
+                413, f"the body is {request.content_length} bytes, over this endpoint's {bound}: what the model's "
+                "context of text and the per-call image budget (worker.rollout.agent_options.max_call_pixels) come "
+                f"to, at about {ENCODED_BYTES_PER_PIXEL:g} byte per pixel for encoded images; send fewer, smaller or "
+                "JPEG images",
+                "request_too_large", close=True,
+            )  # fmt: skip
         try:
-            body = await request.json()
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError as e:
+            raise EndpointError(
+                408, f"the body did not arrive within {self.limits.body_timeout_s:g} s", "request_timeout", close=True
+            ) from e
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EndpointError(400, f"the body is not JSON ({e})", "invalid_json") from e
         if not isinstance(body, dict):
@@ -334,11 +396,18 @@ class AgentEndpoint:
         return body
 
     async def _in_pool(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` on the rendering thread (the one thread that uses the processor and tokenizer)."""
+        """``fn(*args)`` on a rendering thread, off the event loop."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+        except OverBudget as e:
+            raise EndpointError(400, str(e), e.code, param=e.param) from e
         except RenderError as e:
             raise EndpointError(400, str(e), "invalid_prompt") from e
+
+    def _choices(self, write: Callable[..., dict], output: EngineOutput, *args: Any) -> list[dict]:
+        """The reply's choices (the tokenizer decodes them: under the renderer's lock)."""
+        with self.renderer.lock:
+            return [write(i, sample, self.renderer.tokenizer, *args) for i, sample in enumerate(output.samples)]
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request, rollout=False)
@@ -350,29 +419,19 @@ class AgentEndpoint:
         body = await self._body(request)
         options = parse_options(body, chat=True)
         tools = body.get("tools") or None
-        prompt = await self._in_pool(self.renderer.chat, body.get("messages"), tools)
+        prompt = await self._in_pool(self.renderer.chat, body.get("messages"), tools, self.limits.budget())
         output, indices = await self._serve(rollout_id, prompt, options)
         parse = self.parse_tools if tools is not None and body.get("tool_choice") != "none" else None
-        choices = await self._in_pool(
-            lambda: [
-                chat_choice(i, s, self.renderer.tokenizer, parse, options.log_probs)
-                for i, s in enumerate(output.samples)
-            ]
-        )
+        choices = await self._in_pool(self._choices, chat_choice, output, parse, options.log_probs)
         return self._response("chat.completion", "chatcmpl", choices, prompt, output, indices)
 
     async def _completions(self, request: web.Request) -> web.Response:
         rollout_id = self._authorize(request)
         body = await self._body(request)
         options = parse_options(body, chat=False)
-        prompt = await self._in_pool(self.renderer.completion, body.get("prompt"))
+        prompt = await self._in_pool(self.renderer.completion, body.get("prompt"), self.limits.budget())
         output, indices = await self._serve(rollout_id, prompt, options)
-        choices = await self._in_pool(
-            lambda: [
-                completion_choice(i, s, self.renderer.tokenizer, options.log_probs)
-                for i, s in enumerate(output.samples)
-            ]
-        )
+        choices = await self._in_pool(self._choices, completion_choice, output, options.log_probs)
         return self._response("text_completion", "cmpl", choices, prompt, output, indices)
 
     # ------------------------------------------------------------ serving a call
@@ -404,11 +463,6 @@ class AgentEndpoint:
 
     async def _serve(self, rollout_id: str, prompt: RenderedPrompt, options: Options) -> tuple[EngineOutput, list[int]]:
         """Run one call on the engine and record its samples; the output and the samples' call indices."""
-        if self.limits.max_images and len(prompt.images) > self.limits.max_images:
-            raise EndpointError(
-                400, f"the call carries {len(prompt.images)} images, over this endpoint's {self.limits.max_images}",
-                "too_many_images", param="messages",
-            )  # fmt: skip
         if options.n > self.limits.max_n:
             raise EndpointError(
                 400, f"n={options.n} is over this endpoint's {self.limits.max_n}", "invalid_n", param="n"
@@ -498,4 +552,7 @@ class AgentEndpoint:
 
 
 def _error(e: EndpointError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    response = web.json_response(e.body(), status=e.status)
+    if e.close:
+        response.force_close()
+    return response

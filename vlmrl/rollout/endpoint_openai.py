@@ -28,10 +28,19 @@ class EndpointError(Exception):
     """A refusal, answered with HTTP ``status`` and OpenAI's error shape (``body``)."""
 
     def __init__(
-        self, status: int, message: str, code: str, kind: str = "invalid_request_error", param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        *,
+        close: bool = False,
     ):
+        """``close``: the connection is closed after the reply (a body left unread, a client too slow)."""
         super().__init__(message)
         self.status, self.message, self.code, self.kind, self.param = status, message, code, kind, param
+        self.close = close
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

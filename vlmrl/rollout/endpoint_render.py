@@ -26,6 +26,20 @@ Deliberate limits: only ``data:`` image URLs are taken (the endpoint fetches
 nothing over the network), and no audio or file parts. Every refusal is a
 ``RenderError`` whose message says what to change; the endpoint answers it with
 HTTP 400.
+
+Budget (``RenderBudget``): a call's text is counted before the template and the
+tokenizer run, and a call whose text is longer than the context could hold is
+refused unread. Each image's size is read from its header before its pixels
+are decoded: an image over ``max_image_pixels``, or one that takes the call
+over ``max_call_pixels`` or ``max_images``, is refused (``OverBudget``, naming
+the limit and its ``worker.rollout.agent_options`` key) before it is decoded,
+and each image is resized as soon as it is decoded, so at most one image of
+full size is held at a time.
+
+Threads: ``chat`` and ``completion`` may run on several threads at once. The
+images are decoded and resized concurrently; the template, the tokenizer and
+the processor run under ``lock`` (a processor and a fast tokenizer are not
+thread-safe), which every other user of ``tokenizer`` must hold too.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import binascii
 import io
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +60,36 @@ _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
+CONFIG_KEY = "worker.rollout.agent_options"
+"""Where the budget's limits are set; refusals name the key."""
+
+
 class RenderError(ValueError):
     """A request the renderer cannot turn into tokens; the message is for the agent's author."""
+
+
+class OverBudget(RenderError):
+    """A request over one of the ``RenderBudget`` limits; ``code`` and ``param`` as the endpoint answers them."""
+
+    def __init__(self, message: str, code: str, param: str = "messages"):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(frozen=True)
+class RenderBudget:
+    """What one call may carry, checked while it is rendered, before the costly work."""
+
+    max_images: int = 16
+    """Images in one call."""
+    max_image_pixels: int = 16_777_216
+    """Pixels of one image as its header declares them (width x height), checked before it is decoded."""
+    max_call_pixels: int = 33_554_432
+    """Pixels of all of one call's images together, as their headers declare them."""
+    max_text_chars: int | None = None
+    """Characters of a call's text (message contents, a completion's prompt); None: not counted. The endpoint
+    sets it to what its context could hold (``CHARS_PER_TOKEN`` per token), so a longer text is refused before
+    it is tokenized."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +132,8 @@ class ChatRenderer:
         """
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.lock = threading.Lock()
+        """Held around every use of the processor and the tokenizer (neither is thread-safe)."""
         self.resize = resize
         self.chat_template = chat_template
         self.template_has_tools = template_has_tools
@@ -99,46 +144,54 @@ class ChatRenderer:
 
     # ------------------------------------------------------------------ prompts
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedPrompt:
+    def chat(
+        self, messages: list[dict], tools: list[dict] | None = None, budget: RenderBudget | None = None
+    ) -> RenderedPrompt:
         """An OpenAI ``messages`` list (and ``tools``) as the prompt of the model's next assistant turn."""
-        hf_messages, images = self.template_messages(messages, tools)
+        budget = budget or RenderBudget()
+        _count_text(messages, budget)
+        hf_messages, images = self.template_messages(messages, tools, budget)
         kwargs: dict[str, Any] = {}
         if tools and self.template_has_tools:
             kwargs["tools"] = tools
-        try:
-            text = self.processor.apply_chat_template(
-                hf_messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template, **kwargs
-            )
-        except Exception as e:  # jinja's errors (a role or a content the template refuses) are the request's
-            raise RenderError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from e
-        images = [self._resize(image, n) for n, image in enumerate(images)]
-        engine_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        placeholders = engine_ids.count(self.image_token_id) if self.image_token_id is not None else 0
-        if placeholders != len(images):
-            raise RenderError(
-                f"the rendered prompt holds {placeholders} image placeholders for {len(images)} images; the text "
-                "must not contain the model's own vision tokens"
-            )
-        if not images:
-            return RenderedPrompt(text, engine_ids, list(engine_ids), [])
-        try:
-            out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
-        except Exception as e:
-            raise RenderError(f"the processor rejected the images ({type(e).__name__}: {e})") from e
+        with self.lock:
+            try:
+                text = self.processor.apply_chat_template(
+                    hf_messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template, **kwargs
+                )
+            except Exception as e:  # jinja's errors (a role or a content the template refuses) are the request's
+                raise RenderError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from e
+            engine_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            placeholders = engine_ids.count(self.image_token_id) if self.image_token_id is not None else 0
+            if placeholders != len(images):
+                raise RenderError(
+                    f"the rendered prompt holds {placeholders} image placeholders for {len(images)} images; the text "
+                    "must not contain the model's own vision tokens"
+                )
+            if not images:
+                return RenderedPrompt(text, engine_ids, list(engine_ids), [])
+            try:
+                out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
+            except Exception as e:
+                raise RenderError(f"the processor rejected the images ({type(e).__name__}: {e})") from e
         return RenderedPrompt(text, engine_ids, out["input_ids"][0].tolist(), images)
 
-    def completion(self, prompt: Any) -> RenderedPrompt:
+    def completion(self, prompt: Any, budget: RenderBudget | None = None) -> RenderedPrompt:
         """A ``/v1/completions`` prompt: one string, or one list of token ids; no images."""
+        budget = budget or RenderBudget()
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            _check_text(len(prompt), budget, "prompt")
+            with self.lock:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             text = prompt
         elif (
             isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             ids = list(prompt)
-            text = self.tokenizer.decode(ids)
+            with self.lock:
+                text = self.tokenizer.decode(ids)
         else:
             raise RenderError("prompt must be one string or one non-empty list of token ids (batches are not served)")
         if not ids:
@@ -150,12 +203,14 @@ class ChatRenderer:
 
     # ------------------------------------------------------------------ messages
 
-    def template_messages(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[Image.Image]]:
-        """``messages`` in the chat template's format, and their images decoded (not yet resized), in order."""
+    def template_messages(
+        self, messages: list[dict], tools: list[dict] | None, budget: RenderBudget | None = None
+    ) -> tuple[list[dict], list[Image.Image]]:
+        """``messages`` in the chat template's format, and their images decoded and resized, in order."""
         if not isinstance(messages, list) or not messages:
             raise RenderError("messages must be a non-empty list")
         out: list[dict] = []
-        images: list[Image.Image] = []
+        images = _Images(budget or RenderBudget(), self._resize)
         merging_tools = False  # the last message out is a user turn made of tool results
         for n, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in _ROLES:
@@ -199,9 +254,9 @@ class ChatRenderer:
                     out[0] = {"role": "system", "content": _prepend_text(system + "\n\n", out[0]["content"])}
                 else:
                     out.insert(0, {"role": "system", "content": system})
-        return out, images
+        return out, images.images
 
-    def _content(self, content: Any, images: list[Image.Image], n: int) -> str | list[dict]:
+    def _content(self, content: Any, images: _Images, n: int) -> str | list[dict]:
         """A message's content in the template's format: a string without images, items with them."""
         if content is None:
             return ""
@@ -217,7 +272,7 @@ class ChatRenderer:
             elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                images.append(_decode_image(url, f"messages[{n}].content[{k}]"))
+                images.add(url, f"messages[{n}].content[{k}]")
                 items.append({"type": "image"})
             else:
                 raise RenderError(f"messages[{n}].content[{k}]: only text and image_url parts are served, not {kind!r}")
@@ -232,18 +287,88 @@ class ChatRenderer:
             raise RenderError(f"image {n} cannot be used ({type(e).__name__}: {e})") from e
 
 
-def _decode_image(url: Any, where: str) -> Image.Image:
+CHARS_PER_TOKEN = 32
+"""Characters of text a token is taken to stand for at most when a call's text is counted before tokenizing:
+far more than any tokenizer's average, so a text refused for its length could not have fit."""
+
+
+def _count_text(messages: Any, budget: RenderBudget) -> None:
+    """Refuse ``messages`` whose text is longer than ``budget.max_text_chars``, before anything is rendered."""
+    if budget.max_text_chars is None or not isinstance(messages, list):
+        return
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    _check_text(total, budget, "messages")
+
+
+def _check_text(chars: int, budget: RenderBudget, param: str) -> None:
+    if budget.max_text_chars is not None and chars > budget.max_text_chars:
+        raise OverBudget(
+            f"the call's text is {chars} characters, more than the model's context could hold as tokens "
+            f"({budget.max_text_chars} characters at most); shorten the conversation",
+            "context_length_exceeded", param,
+        )  # fmt: skip
+
+
+class _Images:
+    """A call's images, each checked against the budget from its header, then decoded and resized at once."""
+
+    def __init__(self, budget: RenderBudget, resize: Callable[[Image.Image, int], Image.Image]):
+        self.budget, self.resize = budget, resize
+        self.images: list[Image.Image] = []
+        self.pixels = 0
+
+    def add(self, url: Any, where: str) -> None:
+        budget = self.budget
+        if len(self.images) >= budget.max_images:
+            raise OverBudget(
+                f"{where}: the call carries more than {budget.max_images} images, this endpoint's limit per call "
+                f"({CONFIG_KEY}.max_images_per_call); send fewer images, or raise the limit",
+                "too_many_images",
+            )  # fmt: skip
+        image = _open_image(url, where)
+        width, height = image.size  # from the header: nothing is decoded yet
+        pixels = width * height
+        if pixels > budget.max_image_pixels:
+            raise OverBudget(
+                f"{where}: the image is {width}x{height} = {pixels} pixels, over this endpoint's limit of "
+                f"{budget.max_image_pixels} per image ({CONFIG_KEY}.max_image_pixels); send it smaller",
+                "image_too_large",
+            )  # fmt: skip
+        if self.pixels + pixels > budget.max_call_pixels:
+            raise OverBudget(
+                f"{where}: the call's images come to {self.pixels + pixels} pixels with this one, over this "
+                f"endpoint's limit of {budget.max_call_pixels} per call ({CONFIG_KEY}.max_call_pixels); send fewer or "
+                "smaller images",
+                "too_many_pixels",
+            )  # fmt: skip
+        self.pixels += pixels
+        try:
+            image.load()
+            rgb = image.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
+        finally:
+            image.close()
+        self.images.append(self.resize(rgb, len(self.images)))
+
+
+def _open_image(url: Any, where: str) -> Image.Image:
+    """The image of a data URL, opened (its header read) but not decoded."""
     if not isinstance(url, str):
         raise RenderError(f"{where}: image_url needs a url")
     match = _DATA_URL.fullmatch(url.strip())
     if match is None:
         raise RenderError(f"{where}: only data:image/...;base64 URLs are served (the endpoint fetches nothing)")
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
-        image.load()
+        return Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
     except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
         raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
-    return image.convert("RGB")
 
 
 def _tool_call(call: Any, n: int) -> dict:
