@@ -41,11 +41,26 @@ def test_the_unparsed_tool_calls_run_warns_once_after_three_steps_naming_every_c
         check.observe(3, UNPARSED)
         check.observe(4, UNPARSED)  # said once, not at every step
     text = [r.getMessage() for r in caplog.records]
-    assert len(text) == 4, text
+    # Two warnings, not four: calls that do not parse do not run, and one reward gives no advantage anywhere.
+    assert len(text) == 2, text
     assert text[0].startswith("no learning signal at steps 1-3 (3 in a row): every tool call failed to parse")
     assert "multi_turn.format" in text[0] and "trainer.fail_without_signal_steps" in text[0]
-    assert "no tool ran" in text[1] and "every reward was the same" in text[2]
-    assert "no group had a non-zero advantage" in text[3]
+    assert "every reward was the same" in text[1]
+
+
+def test_a_cause_is_warned_about_once_what_explained_it_stops(caplog):
+    check = SignalCheck(has_tools=True)
+    # Rewards differ (a sub-score pays for the answer), but no call parses and so no tool runs.
+    unparsed = _step(agent__tool_calls__mean=1.0, agent__tool__parse_error_rate=1.0, agent__tool__success_rate=0.0)
+    # The calls now parse, yet every one fails in the tool: no tool ran, said on its own.
+    failing = _step(agent__tool_calls__mean=1.0, agent__tool__parse_error_rate=0.0, agent__tool__success_rate=0.0)
+    with caplog.at_level(logging.WARNING, logger="vlmrl"):
+        for step, metrics in enumerate((unparsed, unparsed, unparsed, failing), 1):
+            check.observe(step, metrics)
+    text = [r.getMessage() for r in caplog.records]
+    assert len(text) == 2, text
+    assert "steps 1-3 (3 in a row): every tool call failed to parse" in text[0]
+    assert "steps 1-4 (4 in a row): no tool ran" in text[1]
 
 
 def test_fail_without_signal_steps_fails_the_run_naming_the_steps_and_the_key():

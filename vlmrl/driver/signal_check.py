@@ -16,7 +16,9 @@ counted in steps in a row of its own:
   (``critic/advantages/max`` and ``/min`` both 0).
 
 After ``WARN_AFTER`` steps in a row of one cause it warns once on the console
-(logger ``vlmrl``), naming the cause and what to look at; after
+(logger ``vlmrl``), naming the cause and what to look at, unless a cause that
+explains it holds too (``IMPLIED_BY``: calls that do not parse do not run, and
+one reward for all gives every group a zero advantage); after
 ``trainer.fail_without_signal_steps`` steps in a row (when above 0) it raises
 ``NoLearningSignal``. A step without the cause ends its count.
 
@@ -38,6 +40,10 @@ WARN_AFTER = 3
 
 EPS = 1e-9
 """Below this, two rewards are the same and an advantage is 0."""
+
+
+IMPLIED_BY = {"no_tool_ran": "unparsed_calls", "zero_advantage": "same_reward"}
+"""A cause that follows from another: while the other holds, only the other is warned about."""
 
 
 class NoLearningSignal(RuntimeError):
@@ -115,7 +121,7 @@ class SignalCheck:
                     self._message(key, first, step)
                     + f" (trainer.fail_without_signal_steps={self.fail_after}; 0 only warns)"
                 )
-            if count >= self.warn_after and key not in self.warned:
+            if count >= self.warn_after and key not in self.warned and IMPLIED_BY.get(key) not in held:
                 self.warned.add(key)
                 then = (
                     f"the run fails after {self.fail_after} such steps" if self.fail_after > 0
