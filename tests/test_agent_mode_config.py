@@ -168,3 +168,23 @@ def test_without_a_reward_function_a_rollout_its_agent_left_unscored_fails_namin
     with pytest.raises(RewardFunctionError, match=r"rollout b: its agent returned no reward \(None\), and "
                        r"worker.reward.reward_function is not set"):  # fmt: skip
         scorer.launch(_agent_batch(_row("a", 1.0), _row("b"), _row("b")))
+
+
+def test_the_endpoints_bounds_are_checked_at_once_naming_their_keys():
+    key = "worker.rollout.agent_options"
+    problems = problems_of(
+        DEMO,
+        f"{key}.max_images_per_call=0",
+        f"{key}.max_image_pixels=1000",
+        f"{key}.max_call_pixels=999",
+        f"{key}.max_concurrency=8",
+        f"{key}.max_connections=4",
+        f"{key}.header_timeout=0",
+        f"{key}.body_timeout=-1",
+    )
+    text = "\n".join(problems)
+    assert f"{key}.max_images_per_call=0: must be at least 1" in text  # 0 no longer means "no limit"
+    assert f"{key}.max_call_pixels=999 is below {key}.max_image_pixels=1000" in text
+    assert f"{key}.max_connections=4 is below {key}.max_concurrency=8" in text
+    assert f"{key}.header_timeout=0.0: must be a positive" in text and f"{key}.body_timeout=-1.0: must be" in text
+    load_config([DEMO], CPU)  # the defaults pass

@@ -428,8 +428,27 @@ class AgentOptionsConfig:
     """The endpoint's port; 0 takes a free one per worker."""
     max_tokens_per_call: int | None = None
     """Tokens one call may sample; null: data.max_response_length."""
-    max_images_per_call: int = 0
-    """Images one call may carry; 0: no limit beyond the engine's."""
+    max_images_per_call: int = 16
+    """Images one call may carry, counted as they are read (before any is decoded); a call with more is refused
+    with 400 naming this key. An agent that re-sends its whole conversation re-sends its earlier images too."""
+    max_image_pixels: int = 16777216
+    """Pixels (width x height, read from the image's header before its pixels are decoded) one image of a call
+    may have: 16777216 is 4096 x 4096. A larger one is refused with 400 naming this key. Images are then resized
+    to data.min_pixels..data.max_pixels as the data's are."""
+    max_call_pixels: int = 33554432
+    """Pixels of all of one call's images together (as their headers declare them): 33554432 is sixteen
+    1920 x 1080 screenshots. A call over it is refused with 400 naming this key. It also sizes the largest
+    request body the endpoint reads (with the model's context for the text), at about 1 byte a pixel of encoded
+    image: a bigger body is refused with 413 before it is read."""
+    max_connections: int = 256
+    """Connections the endpoint keeps open at once; one more is answered 503 and closed. At least
+    max_concurrency (each agent needs one)."""
+    header_timeout: float = 60.0
+    """Seconds a connection may take to send a request's headers, from its opening or from its last reply; past
+    them it is closed (an idle kept-alive connection too; OpenAI's clients reconnect)."""
+    body_timeout: float = 120.0
+    """Seconds a request's body may take to arrive after its headers; past them the call gets 408 and the
+    connection is closed."""
 
 
 @dataclass

@@ -132,8 +132,22 @@ def external_agent_problems(config: Config) -> list[str]:
             f"{key}.max_tokens_per_call={opts.max_tokens_per_call}: must be between 1 and "
             f"data.max_response_length={budget}, or null"
         )
-    if opts.max_images_per_call < 0:
-        problems.append(f"{key}.max_images_per_call={opts.max_images_per_call}: must be 0 (no limit) or more")
+    for name in ("max_images_per_call", "max_image_pixels", "max_call_pixels"):
+        if getattr(opts, name) < 1:
+            problems.append(f"{key}.{name}={getattr(opts, name)}: must be at least 1 (a call needs a finite budget)")
+    if 1 <= opts.max_call_pixels < opts.max_image_pixels:
+        problems.append(
+            f"{key}.max_call_pixels={opts.max_call_pixels} is below {key}.max_image_pixels={opts.max_image_pixels}: "
+            "one image could be larger than a whole call may be; raise max_call_pixels or lower max_image_pixels"
+        )
+    if opts.max_connections < opts.max_concurrency:
+        problems.append(
+            f"{key}.max_connections={opts.max_connections} is below {key}.max_concurrency={opts.max_concurrency}: "
+            "each agent running needs a connection; raise max_connections"
+        )
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(opts, name) > 0:
+            problems.append(f"{key}.{name}={getattr(opts, name)}: must be a positive number of seconds")
     try:
         load_agent(rollout.agent)
     except UserCodeError as e:

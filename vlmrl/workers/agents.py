@@ -81,6 +81,11 @@ class ExternalAgents:
             max_model_len=plan.rollout_max_model_len,
             max_tokens=opts.max_tokens_per_call or data.max_response_length,
             max_images=opts.max_images_per_call,
+            max_image_pixels=opts.max_image_pixels,
+            max_call_pixels=opts.max_call_pixels,
+            header_timeout_s=opts.header_timeout,
+            body_timeout_s=opts.body_timeout,
+            max_connections=opts.max_connections,
         )
         self.endpoint = AgentEndpoint(engine, renderer, limits, host=opts.host, port=opts.port).start()
         print(f"agent endpoint: serving {self.endpoint.base_url} (each rollout has its own key)", flush=True)
