@@ -60,7 +60,7 @@ def quiet_ray_notices() -> None:
     """In the driver: drop Ray's notice that the local cluster it starts uses token authentication.
 
     Ray 2.60 logs it as a warning at every ``ray.init`` that starts a cluster;
-    it reports the safe default (README, Ray's ports), not a problem. Ray's
+    it reports the safe default (docs: the trust boundary), not a problem. Ray's
     other warnings still show.
     """
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
