@@ -209,7 +209,6 @@ def media_files(tmp_path):
 
 def bad_rows(tmp_path) -> list[tuple[str, dict, str, str]]:
     """(case, row, key named, words in the message)."""
-    broken_video = tmp_path / "broken.mp4"
     return [
         ("corrupt-image", {**GOOD, "images": ["corrupt.png"]}, "images", "unreadable image"),
         ("missing-image-file", {**GOOD, "images": ["gone.png"]}, "images", "missing image file"),
@@ -220,7 +219,7 @@ def bad_rows(tmp_path) -> list[tuple[str, dict, str, str]]:
         ("missing-answer", {**GOOD, "answer": None}, "answer", "no answer"),
         (
             "unreadable-video",
-            {**GOOD, "problem": "x", "images": None, "videos": str(broken_video)},
+            {**GOOD, "problem": "x", "images": None, "videos": "broken.mp4"},
             "videos",
             "unreadable video",
         ),

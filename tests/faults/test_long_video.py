@@ -47,8 +47,8 @@ def _all_then_subsample(path, fps):
 
 def test_the_sampled_frames_are_the_ones_decoding_everything_gave(tmp_path):
     path = write_video(tmp_path / "v.mp4", frames=37, fps=8, size=(64, 48))
-    got, expected = decode_video_file(tmp_path / "v.mp4", 2.0), _all_then_subsample(path, 2.0)
-    assert len(got) == len(expected) == 9  # 37 frames at 8 fps = 4.6 s, sampled at 2 fps
+    (got, rate), expected = decode_video_file(tmp_path / "v.mp4", 2.0), _all_then_subsample(path, 2.0)
+    assert len(got) == len(expected) == 9 and rate == 2.0  # 37 frames at 8 fps = 4.6 s, sampled at 2 fps
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, expected))
 
 
@@ -58,7 +58,7 @@ _PEAK = textwrap.dedent(
     from pathlib import Path
     from vlmrl.data.media import decode_video_file
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    frames = decode_video_file(Path(sys.argv[1]), 1.0)
+    frames, _ = decode_video_file(Path(sys.argv[1]), 1.0)
     print(len(frames), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     """
 )

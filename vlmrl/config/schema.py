@@ -94,7 +94,14 @@ class DataConfig:
     video_key: str = "videos"
     """Column of a row's videos: a video file, or a list of videos, each a file or a list of frames."""
     image_dir: str | None = None
-    """Directory that relative image (and video) paths in the data are resolved against."""
+    """Directory that relative image (and video) paths in the data are resolved against. When it is set,
+    a path in the data must stay inside it: an absolute path, or one whose ``..`` climbs out, is a bad
+    row (see allow_paths_outside_image_dir). Null: paths are used as written, relative ones from the
+    current directory. Remote paths (``http://``, ``s3://``, ``hf://``, any ``NAME://``) are always refused."""
+    allow_paths_outside_image_dir: bool = False
+    """vlmrl addition: let image and video paths in the data be absolute or lead out of data.image_dir. Off,
+    such a row is bad (it names the file, row and key), so that a data file cannot read files elsewhere on
+    the host; turn it on only for data files you trust. Has no effect while data.image_dir is null."""
     video_fps: float = 2.0
     """Frames per second sampled from each video file."""
     max_prompt_length: int = 512

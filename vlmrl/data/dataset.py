@@ -122,6 +122,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         model_config: Any = None,
         tools: list[dict] | None = None,
         limit_images: int = 0,
+        allow_paths_outside_image_dir: bool = False,
     ):
         self.files = files
         self.limit_images = limit_images
@@ -133,6 +134,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.image_key, self.video_key = image_key, video_key
         self.image_dir = Path(image_dir) if image_dir else None
+        self.allow_outside = allow_paths_outside_image_dir
+        """data.allow_paths_outside_image_dir: media paths may be absolute or climb out of image_dir."""
         self.max_prompt_length = max_prompt_length
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.video_fps = video_fps
@@ -419,7 +422,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         images = []
         for n, item in enumerate(_as_list(row.get(self.image_key))):
             try:
-                image = open_image(item, self.image_dir)
+                image = open_image(item, self.image_dir, self.allow_outside)
                 images.append(resize_to_grid(image, self.resize_factor, self.min_pixels, self.max_pixels))
             except MediaError as e:
                 raise BadRowError(where, self.image_key, f"image {n}: {e}") from e
@@ -439,6 +442,7 @@ class RLHFDataset(torch.utils.data.Dataset):
                         self.patch_size,
                         self.min_pixels,
                         self.max_pixels,
+                        allow_outside=self.allow_outside,
                     )
                 )
             except MediaError as e:

@@ -10,11 +10,30 @@ which resizes them to the grid and pads the count to an even number. The
 qwen-vl-utils readers for files need decord or torchcodec, or torchvision's
 ``read_video``, which torchvision 0.29 no longer has; decoding here works with
 what is installed.
+
+Where media may come from: local files and bytes only. A path with a scheme
+(``http://``, ``s3://``, ``hf://``, any ``NAME://``) is refused in every form
+(a string, a ``{"bytes", "path"}`` dict, a video's frame list), so that a data
+file cannot make the training host fetch anything. With ``data.image_dir``
+set, a relative path must stay inside it (``..`` may not climb out; the check
+is on the path as written, so symbolic links placed inside image_dir are
+followed) and an absolute path is refused, unless
+``data.allow_paths_outside_image_dir`` is true. Without ``data.image_dir``,
+paths are used as written, relative ones from the current directory.
+
+Every image form goes through ``open_image``: a decompression bomb, or a
+broken file, is a ``MediaError`` that the dataset turns into a bad row. A
+video contributes at most ``MAX_VIDEO_FRAMES`` frames, whether it is a file or
+a frame list, and each frame is resized to the grid as it is read, so that
+full-size frames never pile up.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +48,57 @@ from vlmrl.user_code import resolved_from
 
 class MediaError(ValueError):
     """An image or video that cannot be read or used; the dataset adds the file and row."""
+
+
+MAX_VIDEO_FRAMES = 768
+"""The most frames one video contributes: qwen-vl-utils' cap for video files (``FPS_MAX_FRAMES``), applied
+here to files and frame lists alike. A longer video is sampled evenly down to this many frames."""
+
+_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+"""A path with a scheme: http, https, ftp, s3, gs, hf, file, or any other ``NAME://``."""
+
+
+def local_path(item: str, image_dir: Path | None, allow_outside: bool = False) -> Path:
+    """The local file a media path names: refused if remote, or outside ``image_dir`` when that is set.
+
+    Relative paths join ``image_dir`` (or, when it is None, the current directory). The containment check is
+    lexical (``..`` is resolved on the path as written), so links the user placed inside image_dir work.
+    """
+    if _REMOTE.match(item):
+        raise MediaError(
+            f"remote path {item!r:.120} refused: media are read from local files only, so that a data file cannot "
+            "make the training host fetch URLs; download the file and give its path (under data.image_dir)"
+        )
+    path = Path(item)
+    if image_dir is None:
+        return path
+    if path.is_absolute():
+        if not allow_outside:
+            raise MediaError(
+                f"absolute path {item!r:.120} refused: with data.image_dir={str(image_dir)!r} set, media paths are "
+                "relative to it; give the path relative to data.image_dir, or set "
+                "data.allow_paths_outside_image_dir=true if you trust the data file"
+            )
+        return path
+    path = image_dir / path
+    inside = os.path.normpath(path)
+    root = os.path.normpath(image_dir)
+    if not allow_outside and os.path.commonpath([root, inside]) != root:
+        raise MediaError(
+            f"path {item!r:.120} leaves data.image_dir={str(image_dir)!r} (it resolves to {inside!r}); give a "
+            "path inside data.image_dir, or set data.allow_paths_outside_image_dir=true if you trust the data file"
+        )
+    return path
+
+
+def _check_pixels(image: Image.Image) -> None:
+    """PIL's decompression-bomb limit, for an image handed over already open (PIL checks it when it opens one)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and image.width * image.height > 2 * limit:
+        raise Image.DecompressionBombError(
+            f"Image size ({image.width * image.height} pixels) exceeds limit of {2 * limit} pixels, "
+            "could be decompression bomb DOS attack."
+        )
 
 
 def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -48,19 +118,21 @@ def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels:
     return h, w
 
 
-def open_image(item: Any, image_dir: Path | None) -> Image.Image:
-    """An RGB PIL image from a PIL image, bytes, a path, or a ``{"bytes", "path"}`` dict (bytes first)."""
+def open_image(item: Any, image_dir: Path | None, allow_outside: bool = False) -> Image.Image:
+    """An RGB PIL image from a PIL image, bytes, a path, or a ``{"bytes", "path"}`` dict (bytes first).
+
+    Paths go through ``local_path``; every form passes PIL's decompression-bomb check.
+    """
     if isinstance(item, dict):
         item = item.get("bytes") or item.get("path")
     try:
         if isinstance(item, Image.Image):
+            _check_pixels(item)
             image = item
         elif isinstance(item, (bytes, bytearray)):
             image = Image.open(io.BytesIO(item))
         elif isinstance(item, str):
-            path = Path(item)
-            if not path.is_absolute() and image_dir is not None:
-                path = image_dir / path
+            path = local_path(item, image_dir, allow_outside)
             if not path.is_file():
                 raise MediaError(
                     f"missing image file {str(path)!r}{resolved_from(path)}"
@@ -119,46 +191,63 @@ class Video:
         return frames, self.metadata
 
 
-def decode_video_file(path: Path, fps: float) -> list[Image.Image]:
-    """The frames of a video file sampled at ``fps`` (at least two), as PIL images.
+def decode_video_file(
+    source: Path | bytes,
+    fps: float,
+    max_frames: int = MAX_VIDEO_FRAMES,
+    fit: Callable[[Image.Image], Image.Image] | None = None,
+) -> tuple[list[Image.Image], float]:
+    """(frames, rate): a video file (a path, or its bytes) sampled at ``fps``, at least two and at most
+    ``max_frames`` frames, as PIL images, each passed through ``fit`` (a resize) as it is decoded.
 
     Only the sampled frames become images: the frames are counted from the packets first (no decoding),
     the picks chosen, and the decode keeps just those, so a long video costs the memory of the frames
-    it contributes, not of all its frames.
+    it contributes, not of all its frames. The rate is ``fps``, or lower when ``max_frames`` cut the
+    count: frame i is at i / rate seconds.
     """
     import av
 
-    if not path.is_file():
-        raise MediaError(f"missing video file {str(path)!r}{resolved_from(path)}")
+    name = "video bytes" if isinstance(source, (bytes, bytearray)) else f"video {str(source)!r}"
+    if not isinstance(source, (bytes, bytearray)) and not source.is_file():
+        raise MediaError(f"missing video file {str(source)!r}{resolved_from(source)}")
+
+    def opened():
+        return av.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else str(source))
+
+    def keep(frame) -> Image.Image:
+        image = frame.to_image()
+        return fit(image) if fit is not None else image
+
     try:
-        with av.open(str(path)) as container:
+        with opened() as container:
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or fps)
             total = sum(1 for packet in container.demux(stream) if packet.size)
         if not total:
-            raise MediaError(f"video {str(path)!r} has no frames")
-        wanted = min(max(2, round(total / rate * fps)), total)
+            raise MediaError(f"{name} has no frames")
+        at_fps = max(2, round(total / rate * fps))
+        wanted = min(at_fps, total, max(2, max_frames))
         picks = np.linspace(0, total - 1, wanted).round().astype(int).tolist()
         frames: list[Image.Image] = []
-        with av.open(str(path)) as container:
+        with opened() as container:
             stream = container.streams.video[0]
             index, last = 0, None
             for frame in container.decode(stream):
                 last = frame
                 while len(frames) < len(picks) and picks[len(frames)] == index:
-                    frames.append(frame.to_image())
+                    frames.append(keep(frame))
                 if len(frames) == len(picks):
                     break
                 index += 1
+        if last is None:
+            raise MediaError(f"{name} has no frames")
+        while len(frames) < len(picks):  # fewer frames decoded than packets counted: the last one stands in
+            frames.append(keep(last))
     except MediaError:
         raise
     except (av.FFmpegError, IndexError, ValueError, OSError) as e:
-        raise MediaError(f"unreadable video {str(path)!r} ({type(e).__name__}: {e})") from e
-    if last is None:
-        raise MediaError(f"video {str(path)!r} has no frames")
-    while len(frames) < len(picks):  # fewer frames decoded than packets counted: the last one stands in
-        frames.append(last.to_image())
-    return frames
+        raise MediaError(f"unreadable {name} ({type(e).__name__}: {e})") from e
+    return frames, fps * wanted / min(at_fps, total)
 
 
 def load_video(
@@ -168,28 +257,51 @@ def load_video(
     patch_size: int,
     min_pixels: int,
     max_pixels: int,
+    allow_outside: bool = False,
+    max_frames: int = MAX_VIDEO_FRAMES,
 ) -> Video:
-    """A ``Video`` from a video file path, or from a list of frames (each anything ``open_image`` reads)."""
-    from qwen_vl_utils import fetch_video
+    """A ``Video`` from a video file (a path, or a ``{"bytes", "path"}`` dict, bytes first), or from a list of
+    frames (each anything ``open_image`` reads).
 
-    if isinstance(item, str):
-        path = Path(item)
-        if not path.is_absolute() and image_dir is not None:
-            path = image_dir / path
-        frames = decode_video_file(path, fps)
-    elif isinstance(item, (list, tuple)) and item:
-        frames = [open_image(frame, image_dir) for frame in item]
-    else:
-        raise MediaError(
-            f"cannot read a video from {type(item).__name__} {item!r:.40}; use a file path or a list of frames"
-        )
+    At most ``max_frames`` frames are kept (a longer frame list is sampled evenly, and its rate lowered to
+    match), and each frame is resized as it is read, as qwen-vl-utils' ``fetch_video`` would resize it.
+    """
+    from qwen_vl_utils import fetch_image, fetch_video
+
+    def fit(frame: Image.Image) -> Image.Image:
+        # fetch_video's own resize of each listed frame; done here at read time, it finds the frame already
+        # at its size and leaves the pixels as they are.
+        return fetch_image({"image": frame, "min_pixels": min_pixels, "max_pixels": max_pixels}, patch_size * 2)
+
+    if isinstance(item, dict) and ("bytes" in item or "path" in item):
+        item = item.get("bytes") or item.get("path")
+    try:
+        if isinstance(item, (bytes, bytearray)):
+            frames, rate = decode_video_file(bytes(item), fps, max_frames, fit)
+        elif isinstance(item, str):
+            frames, rate = decode_video_file(local_path(item, image_dir, allow_outside), fps, max_frames, fit)
+        elif isinstance(item, (list, tuple)) and item:
+            rate = fps
+            if len(item) > max_frames:
+                picks = np.linspace(0, len(item) - 1, max(2, max_frames)).round().astype(int).tolist()
+                rate = fps * len(picks) / len(item)
+                item = [item[i] for i in picks]
+            frames = [fit(open_image(frame, image_dir, allow_outside)) for frame in item]
+        else:
+            raise MediaError(
+                f"cannot read a video from {type(item).__name__} {item!r:.40}; use a file path or a list of frames"
+            )
+    except ValueError as e:  # the resize refuses aspect ratios over 200
+        if isinstance(e, MediaError):
+            raise
+        raise MediaError(f"video frames cannot be used ({type(e).__name__}: {e})") from e
     if len(frames) == 1:
         frames = frames * 2  # the temporal patch spans two frames
     try:
         video = fetch_video(
             {
                 "video": frames,
-                "sample_fps": fps,
+                "sample_fps": rate,
                 "min_pixels": min_pixels,
                 "max_pixels": max_pixels,
             },
@@ -197,4 +309,4 @@ def load_video(
         )
     except (ValueError, RuntimeError) as e:
         raise MediaError(f"video frames cannot be used ({type(e).__name__}: {e})") from e
-    return Video(frames=video, fps=fps)
+    return Video(frames=video, fps=rate)

@@ -10,11 +10,20 @@
 The rows of all entries are concatenated in order. Every row keeps its origin
 (the file it was read from and its index there), so that an error can say
 where to look.
+
+Media columns (the ``datasets`` ``Image`` and ``Video`` features, and any other
+feature that decodes) are read undecoded, as ``{"bytes", "path"}`` dicts: left
+to decode themselves, ``datasets`` would fetch a URL named in ``path`` and
+decode images outside the dataset's checks. The dataset decodes them instead
+(``data/media.py``), which reads local files only and turns an image that
+cannot be used into a bad row.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -169,6 +178,33 @@ def _read_entry(entry: str) -> list[tuple[str, datasets.Dataset]]:
     return [(entry, _read_hub(entry))]
 
 
+def undecoded(feature):
+    """``feature`` (a column's type, or a whole ``Features``) with every decoding feature set to ``decode=False``."""
+    if isinstance(feature, dict):  # Features, and struct columns
+        return type(feature)({k: undecoded(v) for k, v in feature.items()})
+    if isinstance(feature, (list, tuple)):  # [feature]: the older way to write a list column
+        return type(feature)(undecoded(f) for f in feature)
+    if isinstance(feature, (datasets.List, datasets.LargeList)):
+        return dataclasses.replace(feature, feature=undecoded(feature.feature))
+    if getattr(feature, "decode", False) is True and dataclasses.is_dataclass(feature):
+        return dataclasses.replace(feature, decode=False)
+    return feature
+
+
+def _undecoded_table(table: datasets.Dataset) -> datasets.Dataset:
+    features = undecoded(table.features)
+    if features == table.features:
+        return table
+    # Only the decode flags differ, not the arrow types: the same table under new features, with no copy
+    # (``Dataset.cast`` would write the whole table again).
+    # The readers return tables without an index mapping (save_to_disk flattens it); one with a mapping is cast.
+    if getattr(table, "_indices", None) is not None:
+        return table.cast(features)
+    info = copy.deepcopy(table.info)
+    info.features = features
+    return datasets.Dataset(table.data, info=info, split=table.split)
+
+
 def load_rows(files: str) -> Rows:
     """Read a comma-separated list of sources into one table, aligned to the first one's schema."""
     entries = [e.strip() for e in files.split(",") if e.strip()]
@@ -176,7 +212,7 @@ def load_rows(files: str) -> Rows:
         raise DataError(
             "no data files given; set data.train_files (and data.val_files) to a file, directory or name@split"
         )
-    pieces = [piece for entry in entries for piece in _read_entry(entry)]
+    pieces = [(name, _undecoded_table(table)) for entry in entries for name, table in _read_entry(entry)]
     first_name, first = pieces[0]
     origins, tables, start = [], [], 0
     for name, table in pieces:

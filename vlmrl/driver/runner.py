@@ -50,6 +50,7 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
         answer_key=data.answer_key,
         image_key=data.image_key,
         image_dir=data.image_dir,
+        allow_paths_outside_image_dir=data.allow_paths_outside_image_dir,
         max_prompt_length=data.max_prompt_length,
         min_pixels=data.min_pixels,
         max_pixels=data.max_pixels,
