@@ -10,7 +10,9 @@ import torch
 from vlmrl.rollout import vllm_sampler
 
 topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
-pytest.importorskip("vllm._C")  # the CPU kernels (fused_gumbel_argmax) that an engine's start loads
+# The CPU kernels (fused_gumbel_argmax), loaded the way an engine's start loads them: vLLM picks the library this
+# CPU can run (_C, _C_AVX512 or _C_AVX2). Importing vllm._C by name dies with SIGILL on a CPU without AVX512-BF16.
+pytest.importorskip("vllm.platforms").current_platform.import_kernels()
 
 
 def test_a_cpu_generator_gives_the_same_numbers_read_one_at_a_time_or_in_blocks():
