@@ -53,8 +53,16 @@ from vlmrl.config.options import (
     WeightTransfer,
 )
 
+USER_CODE = {"user_file": "object"}
+"""Field metadata: the value names user code (path/to/file.py:name or package.module:name, or a list of them). Its
+file's hash is stored with each checkpoint, and a resume warns when it changed (vlmrl.driver.user_files)."""
+USER_TEMPLATE = {"user_file": "template"}
+"""Field metadata: the value is a template file's path (or the template's text); hashed as USER_CODE is."""
+
 __all__ = [
     "DERIVED_KEYS",
+    "USER_CODE",
+    "USER_TEMPLATE",
     "RENAMED_KEYS",
     "ActorConfig",
     "AgentHooksConfig",
@@ -114,7 +122,7 @@ class DataConfig:
     """Prompts per generation call when a step is generated in parts (EasyR1's gen batch); null generates the step at once."""
     val_batch_size: int = -1
     """Prompts per validation batch; -1 takes the whole validation set at once."""
-    format_prompt: str | None = None
+    format_prompt: str | None = field(default=None, metadata=USER_TEMPLATE)
     """Path to a jinja template that renders the prompt text as {{ content }}."""
     override_chat_template: str | None = None
     """A jinja chat template used instead of the tokenizer's."""
@@ -393,11 +401,11 @@ class MultiTurnConfig:
 
     enable: bool = False
     """Roll out conversations instead of single responses; needs tools or env."""
-    tools: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list, metadata=USER_CODE)
     """Tool functions, each path/to/file.py:function; their schemas reach the chat template's tools=."""
-    env: str | None = None
+    env: str | None = field(default=None, metadata=USER_CODE)
     """An environment class, path/to/file.py:Class, with reset(sample) and step(action); instead of tools."""
-    format: str = "qwen"
+    format: str = field(default="qwen", metadata=USER_CODE)
     """How tool calls are written: qwen (<tool_call>{json}</tool_call>, also called hermes), or a parser function
     path/to/file.py:function."""
     max_turns: int = 4
@@ -463,11 +471,11 @@ class AgentHooksConfig:
     """Functions by path (path/to/file.py:function) called with the rollout's record; one that raises is reported
     and counted, never fatal."""
 
-    on_enqueue: str | None = None
+    on_enqueue: str | None = field(default=None, metadata=USER_CODE)
     """Before the rollout's agent starts."""
-    on_succeeded: str | None = None
+    on_succeeded: str | None = field(default=None, metadata=USER_CODE)
     """After a rollout that ended ok."""
-    on_failed: str | None = None
+    on_failed: str | None = field(default=None, metadata=USER_CODE)
     """After a rollout that raised, timed out, died or made no call."""
 
 
@@ -556,7 +564,7 @@ class RolloutConfig:
     """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """vlmrl addition: tool-using and environment rollouts over several turns."""
-    agent: str | None = None
+    agent: str | None = field(default=None, metadata=USER_CODE)
     """vlmrl addition (Agent Lightning): an agent function, path/to/file.py:solve, written in any framework and called
     once per rollout as solve(task, llm); it talks to the policy through an OpenAI-compatible endpoint on the
     engine, and every call it makes is recorded and trained (algorithm.trace_aggregation). It returns the rollout's
@@ -590,7 +598,7 @@ class RewardModelConfig:
     """Conversations per forward pass of a score model."""
     max_length: int = 4096
     """Tokens of one judge prompt plus its verdict, or of one scored conversation; a longer one is an error naming its sample."""
-    prompt_template: str = ""
+    prompt_template: str = field(default="", metadata=USER_TEMPLATE)
     """judge: a jinja template (a path to a .jinja file, or the text itself) that renders the judge's question from
     {{ question }}, {{ response }}, {{ ground_truth }} and the row's fields; the prompt's images come before it.
     Empty: a yes/no question built in."""
@@ -620,7 +628,7 @@ class RewardModelConfig:
 class RewardConfig:
     reward_type: RewardManagerType | None = None
     """sequential or batch; unset takes the function's or its module's REWARD_TYPE."""
-    reward_function: str = ""
+    reward_function: str = field(default="", metadata=USER_CODE)
     """path/to/file.py:function or package.module:function. May be empty with worker.rollout.agent when the agent
     returns every rollout's reward (a rollout it returns None for then fails the step, named)."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -20,8 +20,10 @@ from vlmrl.driver.hooks import RunHooks
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
 from vlmrl.driver.save_schedule import SaveSchedule
+from vlmrl.driver.user_files import user_files
 from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
+from vlmrl.driver.mismatch import mismatch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
 from vlmrl.driver.sampler import RolloutSampler
 from vlmrl.driver.signal_check import SignalCheck
@@ -123,6 +125,7 @@ class TrainingLoop:
         self.actor_settings = UpdateSettings.from_config(config, plan, self.total_steps)
         self.critic_settings = CriticSettings.from_config(config, plan, self.total_steps) if plan.use_critic else None
         self.perf = PerfMeter.for_run(config, plan)
+        self.user_files = user_files(config)  # as the workers loaded them: a later edit does not reach this run
         self.skip_watch = SkippedStepWatch(config.trainer.max_consecutive_skipped_steps)
         multi_turn = rollout.multi_turn
         self.signal_check = SignalCheck(
@@ -231,6 +234,7 @@ class TrainingLoop:
                     stopping = self.stop_requested.is_set()
             metrics = {
                 **batch_metrics(batch, entropy, rollout.version),
+                **mismatch_metrics(batch, self.actor_settings.at_version(rollout.version, batch)),
                 **rewards.metrics,
                 **rollout.metrics,
                 **advantages.metrics,
@@ -297,6 +301,7 @@ class TrainingLoop:
                     "config": to_dict(self.config),  # secrets as *** (vlmrl.config.redact)
                     "plan": mask_values(self.plan.as_dict()),
                     "fingerprint": fingerprint(self.config),
+                    "user_files": self.user_files,  # hashed as the run loaded them (vlmrl.driver.user_files)
                 },
                 indent=2,
             )
