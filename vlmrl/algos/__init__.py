@@ -14,6 +14,8 @@ re-exports the public names so callers have one import:
 * ``algos.kl``: ``KL_ESTIMATORS``, KL folded into the reward, ``KL_CONTROLLERS``.
 * ``algos.groups``: DAPO online filtering, zero-advantage group count.
 * ``algos.logits``: log-probs and entropy from logits.
+* ``algos.rollout_correction``: importance weights of the trained policy over the engine's (TIS, MIS, IcePop,
+  the veto) and the mismatch KL.
 
 One registry per extension point, keyed by the config enum: adding an
 estimator or a loss is one function, one enum value and one registry entry.
@@ -69,6 +71,15 @@ from vlmrl.algos.losses import (
     policy_loss_sapo,
     value_loss_clipped,
 )
+from vlmrl.algos.rollout_correction import (
+    Correction,
+    CorrectionLevel,
+    CorrectionMode,
+    CorrectionParams,
+    correction_metrics,
+    mismatch_kl,
+    rollout_correction,
+)
 from vlmrl.algos.rollout_credit import (
     MULTI_ROW_UNSUPPORTED,
     TraceAggregation,
@@ -84,6 +95,10 @@ __all__ = [
     "POLICY_LOSSES",
     "AdvantageEstimator",
     "BehaviourWeightMode",
+    "Correction",
+    "CorrectionLevel",
+    "CorrectionMode",
+    "CorrectionParams",
     "DecoupledParams",
     "EstimatorSpec",
     "KLController",
@@ -98,6 +113,7 @@ __all__ = [
     "aggregate_loss",
     "aggregation_weight",
     "behaviour_weight",
+    "correction_metrics",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
@@ -110,6 +126,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "mismatch_kl",
     "online_filter_keep",
     "policy_loss_cispo",
     "policy_loss_decoupled",
@@ -123,6 +140,7 @@ __all__ = [
     "remax_advantages",
     "rloo_advantages",
     "rollout_advantages",
+    "rollout_correction",
     "trim_to_mini_batches",
     "value_loss_clipped",
     "zero_advantage_groups",
