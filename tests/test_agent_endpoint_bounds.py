@@ -173,6 +173,39 @@ def test_images_over_the_pixel_budget_are_refused_from_their_header_before_decod
         assert len(call.images) == 2
 
 
+def test_a_prompt_over_the_context_is_refused_before_the_processor_expands_its_images(processor, monkeypatch):
+    expanded: list[int] = []  # images the processor was called on
+    call = type(processor).__call__
+
+    def counting_call(self, *args, **kwargs):
+        expanded.append(len(kwargs.get("images") or []))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(processor), "__call__", counting_call)
+    # Kept at their size (on the grid: 28 px a merged patch): 672 px square is (672 / 14)^2 / 2^2 = 576 patch
+    # tokens, over the 511 a context of 512 leaves; 336 px square is 144 and fits.
+    with _endpoint(processor, resize=lambda image, base: image) as endpoint:
+        key = endpoint.open_rollout("context")
+        status, reply = _post(endpoint, {"messages": _with_images(_png(672, 672))}, key)
+        assert status == 400
+        _assert_error(reply, "context_length_exceeded", f"over the {MAX_MODEL_LEN - 1}")
+        assert expanded == []
+        status, reply = _post(endpoint, {"messages": _with_images(_png(336, 336))}, key)
+        assert status == 200 and expanded == [1]
+        assert 144 < reply["usage"]["prompt_tokens"] < MAX_MODEL_LEN - MAX_TOKENS
+        assert len(endpoint.close_rollout("context")) == 1
+
+
+def test_an_image_over_pillows_own_cap_is_refused_as_too_large(processor, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses at open past twice this: 64 x 64 is
+    with _endpoint(processor) as endpoint:
+        key = endpoint.open_rollout("bomb")
+        status, reply = _post(endpoint, {"messages": _with_images(_png(64, 64))}, key)
+        assert status == 400
+        _assert_error(reply, "image_too_large", "worker.rollout.agent_options.max_image_pixels")
+        endpoint.close_rollout("bomb")
+
+
 def test_the_image_budget_is_finite_by_default():
     limits = EndpointLimits(max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS)
     options = AgentOptionsConfig()
@@ -256,6 +289,29 @@ def test_connections_past_the_cap_are_answered_503_and_closed(processor):
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
+
+
+def test_text_in_tools_and_tool_calls_counts_against_the_context_before_tokenizing(processor, monkeypatch):
+    long = "word " * (MAX_MODEL_LEN * 32 // 5 + 1)  # over the context's 32 characters a token
+    tool = {"type": "function", "function": {"name": "f", "description": long, "parameters": {"type": "object"}}}
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": long})}}
+    with _endpoint(processor) as endpoint:
+        key = endpoint.open_rollout("text")
+        encoded: list[int] = []  # lengths of the texts the tokenizer was given from here on
+        encode = type(processor.tokenizer).encode
+        monkeypatch.setattr(type(processor.tokenizer), "encode",
+                            lambda self, text, *a, **k: encoded.append(len(text)) or encode(self, text, *a, **k))  # fmt: skip
+        for body in (
+            {"messages": HI, "tools": [tool]},
+            {"messages": [*HI, {"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "1", "content": "ok"}]},
+        ):  # fmt: skip
+            status, reply = _post(endpoint, body, key)
+            assert status == 400
+            _assert_error(reply, "context_length_exceeded", "characters", str(MAX_MODEL_LEN * 32))
+        assert encoded == []  # refused before anything was tokenized
+        endpoint.close_rollout("text")
+
 
 
 def test_a_slow_render_does_not_hold_up_another_calls_reply(processor):

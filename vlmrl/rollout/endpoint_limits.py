@@ -46,7 +46,7 @@ class EndpointLimits:
         """What the renderer checks of one call: its images, and its text against the context."""
         return RenderBudget(
             max_images=self.max_images, max_image_pixels=self.max_image_pixels, max_call_pixels=self.max_call_pixels,
-            max_text_chars=self.max_model_len * CHARS_PER_TOKEN,
+            max_text_chars=self.max_model_len * CHARS_PER_TOKEN, max_prompt_tokens=self.max_model_len - 1,
         )  # fmt: skip
 
     def body_bytes(self) -> int:

@@ -29,7 +29,9 @@ HTTP 400.
 
 Budget (``RenderBudget``): a call's text is counted before the template and the
 tokenizer run, and a call whose text is longer than the context could hold is
-refused unread. Each image's size is read from its header before its pixels
+refused unread (every string of the messages and tools counts, image URLs
+aside), and a prompt over the context's tokens is refused before the processor
+expands its images into patches. Each image's size is read from its header before its pixels
 are decoded: an image over ``max_image_pixels``, or one that takes the call
 over ``max_call_pixels`` or ``max_images``, is refused (``OverBudget``, naming
 the limit and its ``worker.rollout.agent_options`` key) before it is decoded,
@@ -87,9 +89,13 @@ class RenderBudget:
     max_call_pixels: int = 33_554_432
     """Pixels of all of one call's images together, as their headers declare them."""
     max_text_chars: int | None = None
-    """Characters of a call's text (message contents, a completion's prompt); None: not counted. The endpoint
-    sets it to what its context could hold (``CHARS_PER_TOKEN`` per token), so a longer text is refused before
-    it is tokenized."""
+    """Characters of a call's text (every string of its messages and tools but image URLs: contents, tool
+    schemas, tool calls' arguments; a completion's prompt); None: not counted. The endpoint sets it to what its
+    context could hold (``CHARS_PER_TOKEN`` per token), so a longer text is refused before it is tokenized."""
+    max_prompt_tokens: int | None = None
+    """Tokens of the prompt, images expanded to their patch tokens; None: not counted here. Checked before the
+    processor expands the images (from their resized sizes, for processors with a ``patch_size`` and a
+    ``merge_size``) and before a prompt given as ids is decoded, so a call over the context costs neither."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ class ChatRenderer:
     ) -> RenderedPrompt:
         """An OpenAI ``messages`` list (and ``tools``) as the prompt of the model's next assistant turn."""
         budget = budget or RenderBudget()
-        _count_text(messages, budget)
+        _check_text(_text_chars([messages, tools]), budget, "messages")
         hf_messages, images = self.template_messages(messages, tools, budget)
         kwargs: dict[str, Any] = {}
         if tools and self.template_has_tools:
@@ -169,7 +175,11 @@ class ChatRenderer:
                     "must not contain the model's own vision tokens"
                 )
             if not images:
+                _check_tokens(len(engine_ids), budget, "messages")
                 return RenderedPrompt(text, engine_ids, list(engine_ids), [])
+            patch_tokens = self._patch_tokens(images)
+            if patch_tokens is not None:
+                _check_tokens(len(engine_ids) - len(images) + patch_tokens, budget, "messages")
             try:
                 out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
             except Exception as e:
@@ -190,6 +200,7 @@ class ChatRenderer:
             isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             ids = list(prompt)
+            _check_tokens(len(ids), budget, "prompt")
             with self.lock:
                 text = self.tokenizer.decode(ids)
         else:
@@ -280,6 +291,14 @@ class ChatRenderer:
             return "".join(item["text"] for item in items)  # text templates render a string content only
         return items
 
+    def _patch_tokens(self, images: list[Image.Image]) -> int | None:
+        """The tokens the processor will expand ``images`` (resized to its grid) to; None if it does not say."""
+        processor = getattr(self.processor, "image_processor", None)
+        patch, merge = getattr(processor, "patch_size", None), getattr(processor, "merge_size", None)
+        if not isinstance(patch, int) or not isinstance(merge, int):
+            return None
+        return sum((image.height // patch) * (image.width // patch) // (merge * merge) for image in images)
+
     def _resize(self, image: Image.Image, n: int) -> Image.Image:
         try:
             return self.resize(image)
@@ -292,18 +311,33 @@ CHARS_PER_TOKEN = 32
 far more than any tokenizer's average, so a text refused for its length could not have fit."""
 
 
-def _count_text(messages: Any, budget: RenderBudget) -> None:
-    """Refuse ``messages`` whose text is longer than ``budget.max_text_chars``, before anything is rendered."""
-    if budget.max_text_chars is None or not isinstance(messages, list):
-        return
-    total = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    _check_text(total, budget, "messages")
+def _text_chars(value: Any) -> int:
+    """Characters of every string in ``value`` (JSON: dicts, lists, strings), keys included, but an
+    ``image_url`` part's URL: what the template and the tokenizer would read. Iterative: depth costs no stack."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if key == "image_url" and item.get("type") == "image_url":
+                    continue
+                total += len(key) if isinstance(key, str) else 0
+                stack.append(child)
+    return total
+
+
+def _check_tokens(tokens: int, budget: RenderBudget, param: str) -> None:
+    if budget.max_prompt_tokens is not None and tokens > budget.max_prompt_tokens:
+        raise OverBudget(
+            f"the prompt is {tokens} tokens (images expanded to their patch tokens), over the "
+            f"{budget.max_prompt_tokens} the model's context leaves for it; shorten the conversation or send fewer or "
+            "smaller images",
+            "context_length_exceeded", param,
+        )  # fmt: skip
 
 
 def _check_text(chars: int, budget: RenderBudget, param: str) -> None:
@@ -350,12 +384,16 @@ class _Images:
         self.pixels += pixels
         try:
             image.load()
-            rgb = image.convert("RGB")
+            if image.mode == "RGB":  # no copy: one image of full size is held at a time
+                rgb = image
+            else:
+                rgb = image.convert("RGB")
+                image.close()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
-        finally:
             image.close()
+            raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
         self.images.append(self.resize(rgb, len(self.images)))
+        del rgb, image
 
 
 def _open_image(url: Any, where: str) -> Image.Image:
@@ -367,7 +405,12 @@ def _open_image(url: Any, where: str) -> Image.Image:
         raise RenderError(f"{where}: only data:image/...;base64 URLs are served (the endpoint fetches nothing)")
     try:
         return Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
-    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # Pillow's own cap, read from the header as ours is
+        raise OverBudget(
+            f"{where}: the image is over this endpoint's limit per image ({CONFIG_KEY}.max_image_pixels) and "
+            f"Pillow's ({e}); send it smaller", "image_too_large",
+        ) from e  # fmt: skip
+    except (binascii.Error, OSError, ValueError) as e:
         raise RenderError(f"{where}: the data URL is not a readable image ({type(e).__name__}: {e})") from e
 
 

@@ -70,9 +70,10 @@ class ExternalAgents:
         self.image_processor = getattr(processor, "image_processor", None)
         template = data.override_chat_template or getattr(processor, "chat_template", None) or self.tokenizer.chat_template
         factor = self.image_processor.patch_size * self.image_processor.merge_size if self.image_processor else 28
+        rgb = lambda image: image if image.mode == "RGB" else image.convert("RGB")  # the endpoint decodes to RGB
         renderer = ChatRenderer(
             processor,
-            resize=lambda image: resize_to_grid(image.convert("RGB"), factor, data.min_pixels, data.max_pixels),
+            resize=lambda image: resize_to_grid(rgb(image), factor, data.min_pixels, data.max_pixels),
             chat_template=data.override_chat_template,
             template_has_tools=template_has_tools(template),
             tools_message=tools_system_message,
