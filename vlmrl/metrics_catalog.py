@@ -155,6 +155,46 @@ _LOOP = "worker.rollout.multi_turn"
 _LOOP_TOOLS = "worker.rollout.multi_turn, when a tool was called"
 _TURNS = "multi-turn rollouts and external agents' rows"
 
+_RC = "algorithm.rollout_correction.mode set, or worker.rollout.calculate_log_probs=true without the decoupled loss"
+_MEASURED = "with the engine's log-probs (worker.rollout.calculate_log_probs), when the step trained the actor"
+_KL = {"kl_k1": "k1 (log behaviour - log anchor; unbiased, can be negative)",
+       "kl_k3": "k3 (r - 1 - log r with r = anchor / behaviour; unbiased, never negative)"}
+_SPLITS = {
+    "turn_{turn}": ("on the model tokens of turn {turn} (from 0) of multi-turn rows; it should not grow with the "
+                    "turn", f"{_MEASURED}, for multi-turn rollouts and external agents' rows"),
+    "images_0": ("on the sequences that show no image", f"{_MEASURED}, when the step has such sequences"),
+    "images_1": ("on the sequences that show one image", f"{_MEASURED}, when the step has such sequences"),
+    "images_2plus": ("on the sequences that show two images or more; long multi-image contexts are where the "
+                     "mismatch grows", f"{_MEASURED}, when the step has such sequences"),
+    "length_q{quarter}": ("on the sequences whose trained tokens fall in quarter {quarter} (1 to 4) of "
+                          "data.max_response_length, ((q-1)/4, q/4]", f"{_MEASURED}, for the quarters that occur"),
+}  # fmt: skip
+
+_MISMATCH = (
+    Metric("mismatch/ratio_mean", "Mean of the ratio anchor / behaviour, the actor's probability of a sampled token "
+           "(old, or the decoupled loss's proximal) over the engine's, per token at level token and per sequence at "
+           "the sequence levels of algorithm.rollout_correction.level; 1 when they agree.", _MEASURED),
+    Metric("mismatch/ratio_max", "Largest ratio anchor / behaviour (token, or sequence at the sequence levels): "
+           "the tail that truncate and mask guard against.", _MEASURED),
+    Metric("mismatch/ratio_min", "Smallest ratio anchor / behaviour: tokens the engine found far likelier than the "
+           "actor does, which the veto guards against.", _MEASURED),
+    *(Metric(f"mismatch/{k}", f"KL(behaviour || anchor) per trained token, the {what} estimate, in nats: how far "
+             "the engine that sampled is from the policy the loss assumes.", _MEASURED) for k, what in _KL.items()),
+    *(Metric(f"mismatch/{k}/{split}", f"mismatch/{k} {where}.", when)
+      for k in _KL for split, (where, when) in _SPLITS.items()),
+    Metric("rollout_corr/weight_mean", "Mean of the correction's weight over the tokens it kept (after truncation); "
+           "near 1 when the engine and the actor agree.", _RC),
+    Metric("rollout_corr/truncated_token_frac", "Share of trained tokens whose weight the truncation lowered "
+           "(ratio above algorithm.rollout_correction.threshold); 0 outside mode truncate.", _RC),
+    Metric("rollout_corr/truncated_seq_frac", "Share of sequences with a truncated token.", _RC),
+    Metric("rollout_corr/masked_token_frac", "Share of trained tokens that mask or icepop dropped from the loss "
+           "(vetoed ones not counted); 0 in modes none and truncate.", _RC),
+    Metric("rollout_corr/masked_seq_frac", "Share of sequences with a token that mask or icepop dropped.", _RC),
+    Metric("rollout_corr/vetoed_token_frac", "Share of trained tokens in sequences the veto dropped (a token ratio "
+           "below algorithm.rollout_correction.veto_threshold); 0 without a veto.", _RC),
+    Metric("rollout_corr/vetoed_seq_frac", "Share of sequences the veto dropped whole.", _RC),
+)
+
 _MULTI_TURN = (
     Metric("agent/turns/mean", "Mean model turns per trajectory (an external agent's row: its calls).", _TURNS),
     Metric("agent/turns/max", "Most model turns of a trajectory this step.", _TURNS),
@@ -393,6 +433,9 @@ SECTIONS: tuple[tuple[str, str, tuple[Metric, ...]], ...] = (
     ("Critic", "Scores, rewards, advantages and returns of the batch (under EasyR1's critic/ names, for every "
      "estimator), and the critic's values and update under GAE.", _CRITIC),
     ("Rollout", "The responses' lengths, and how far vLLM's log-probs are from the actor's.", _ROLLOUT),
+    ("Rollout correction", "The rollout-training mismatch (the engine's log-probs against the actor's old or "
+     "proximal ones) and what algorithm.rollout_correction did about it; computed on the driver over the whole "
+     "batch.", _MISMATCH),
     ("Multi-turn agents", "Multi-turn rollouts with tools or an environment (worker.rollout.multi_turn); the turn, "
      "image and token counts also for the rows of external agents.", _MULTI_TURN),
     ("External agents", "Agents that call the model through vlmrl's OpenAI-compatible endpoint, and how their "

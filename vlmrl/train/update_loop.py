@@ -78,6 +78,19 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_
     return float(grad_norm), False
 
 
+def _rescale_grads(model: torch.nn.Module, counted_before: torch.Tensor, kept: torch.Tensor) -> None:
+    """Turn the gradient of ``sum_kept l / N_before`` into ``sum_kept l / N_kept``: every worker's kept tokens
+    summed (a collective), and the gradients scaled by ``N_before / N_kept`` (none when nothing was kept)."""
+    if dist.is_available() and dist.is_initialized():
+        kept = all_reduce(kept.float(), dist.ReduceOp.SUM).double()
+    if float(kept) <= 0 or float(kept) == float(counted_before):
+        return
+    scale = float(counted_before) / float(kept)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+
+
 def run_epochs(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -90,6 +103,7 @@ def run_epochs(
     max_grad_norm: float,
     micro_loss: MicroLoss,
     prefix: str,
+    mask_may_shrink: bool = False,
 ) -> tuple[dict[str, list[float]], int]:
     """``epochs`` passes over ``batch`` in mini-batches of ``samples_per_update``, one optimizer step each.
 
@@ -97,6 +111,11 @@ def run_epochs(
     optimizer step among them) and the number of skipped steps. With
     per_rollout_mean the batch carries ``rollout_shares`` (``rollout_shares``),
     and ``micro_loss`` must aggregate with the micro-batch's.
+
+    ``mask_may_shrink``: ``micro_loss`` may return a loss mask with fewer tokens than the rows' response mask (the
+    rollout correction drops tokens, known only once the micro-batch's forward ran). Under token_mean the
+    mini-batch's token count is then counted as the micro-batches run, and the accumulated gradient rescaled by
+    ``counted before / counted after`` before the step: the gradient of the loss over the kept tokens only.
     """
     if mode is LossAvgMode.per_rollout_mean:
         batch.require("rollout_shares")
@@ -107,12 +126,16 @@ def run_epochs(
         for mini in batch.split(samples_per_update):
             total, world = global_weight(mini.response_mask, mode, mini.rollout_shares)
             optimizer.zero_grad(set_to_none=True)
+            kept = torch.zeros((), dtype=torch.float64)
             for rows in batching.groups(mini):
                 micro = mini.select(rows)
                 loss, mask = micro_loss(micro, rows, sums)
                 device = loss.device
                 weight = algos.aggregation_weight(mask, mode, micro.rollout_shares)
+                kept += weight.detach().double().cpu()
                 (loss * (world * weight / total.to(device))).backward()
+            if mask_may_shrink and mode is LossAvgMode.token_mean:
+                _rescale_grads(model, total, kept)
             grad_norm, stepped = clip_and_step(model, optimizer, max_grad_norm)
             skipped += not stepped
             sums[f"{prefix}/grad_norm"].append(grad_norm)
