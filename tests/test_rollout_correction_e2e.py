@@ -15,8 +15,9 @@ from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
 
 pytestmark = pytest.mark.e2e
 
-THRESHOLD = 1.005
-"""The mask's C: above every ratio of the fp32 baseline, below the bf16 engine's largest ones."""
+THRESHOLD = 1.001
+"""The mask's C: far above every ratio of the fp32 baseline (within about 1 +- 2e-6), below the bf16 engine's
+largest ones (about 1.003 to 1.016 in a step of this run)."""
 QUIET = ["data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]"]
 
 
@@ -52,5 +53,7 @@ def test_a_bf16_engine_raises_the_masked_share_and_the_kl(forced, e2e_run):
         assert 0 < m["rollout_corr/masked_token_frac"] < 1, m
         assert m["rollout_corr/masked_seq_frac"] >= m["rollout_corr/masked_token_frac"], m
         assert m["rollout_corr/truncated_token_frac"] == 0  # mode mask truncates nothing
-        assert m["mismatch/kl_k3"] > 10 * max(b["mismatch/kl_k3"] for b in baseline), (m, baseline)
         assert "actor/pg_loss" in m and m["actor/grad_norm"] > 0  # the kept tokens still train
+    # The k3 estimate of KL(behaviour || actor), per step: about 2e-5 with the bf16 engine, under 1e-7 without.
+    forced_kl = sum(m["mismatch/kl_k3"] for m in forced) / len(forced)
+    assert forced_kl > 10 * max(b["mismatch/kl_k3"] for b in baseline) and forced_kl > 1e-6, (forced, baseline)
