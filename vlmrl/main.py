@@ -147,14 +147,18 @@ def _run(config, plan, hooks) -> int:
             # one, and a separate reward model's actor.
             needed = plan.world_size + plan.rollout_servers + (plan.reward_workers + 1) * reward.num_cpus
             needed += reward.reward_model.num_cpus if separate_rm else 0
-            # address="local": a cluster of its own even when another one on this machine (ray start) is found.
-            ray.init(
-                address="local",
-                num_cpus=max(os.cpu_count() or 1, needed),
-                include_dashboard=False,
-                _system_config=LOCAL_CLUSTER_SYSTEM_CONFIG,
-                **options,
-            )
+            # address="local": a cluster of its own even when another one on this machine (ray start) is found;
+            # on 127.0.0.1 only (vlmrl.driver.local_cluster).
+            from vlmrl.driver.local_cluster import loopback_only
+
+            with loopback_only():
+                ray.init(
+                    address="local",
+                    num_cpus=max(os.cpu_count() or 1, needed),
+                    include_dashboard=False,
+                    _system_config=LOCAL_CLUSTER_SYSTEM_CONFIG,
+                    **options,
+                )
     print(f"vlmrl: {plan.experiment_dir} (engine logs: {log_path})", flush=True)
     # Three threads: run, request_stop and take_console can each arrive while the others wait.
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=3).remote()

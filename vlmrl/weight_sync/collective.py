@@ -8,7 +8,8 @@ port the OS picks (so no other process can take it first), and every member buil
 that store directly, ``ProcessGroupNCCL`` on GPU and ``ProcessGroupGloo`` on CPU, and calls its
 ``broadcast``. Nothing is registered in ``torch.distributed``'s world, so the default group, its
 ranks and its collectives are untouched. The rendezvous address is loopback on a one-node cluster
-and the trainer's node address otherwise; nothing else listens.
+and the trainer's node address otherwise, and the store listens on that address alone
+(``vlmrl.weight_sync.bound_store``; torch's own would listen on every interface).
 
 One sync (``broadcast_weights``): the sender calls each server's ``load_weights`` with a ``Broadcast``
 ticket, and the servers start receiving on a call thread (their engines keep stepping); then, per
@@ -41,6 +42,7 @@ import torch.distributed as dist
 
 from vlmrl.config.options import WeightTransfer
 from vlmrl.rollout.engine import InterruptMode
+from vlmrl.weight_sync.bound_store import bound_store
 from vlmrl.weight_sync.object_store import wait_for_loads
 
 LOOPBACK = "127.0.0.1"
@@ -130,8 +132,7 @@ class WeightGroup:
     ) -> tuple[dist.TCPStore, GroupAddress]:
         """The sender's side of the rendezvous: a store on a port the OS picks, and the address the receivers
         join (``WeightGroup(address, rank)``, ranks 1..``receivers``) while the sender joins as rank 0."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, 0, receivers + 1, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = bound_store(host, 0, receivers + 1, datetime.timedelta(seconds=timeout_s))  # on ``host`` alone
         return store, GroupAddress(host, store.port, receivers + 1, backend, timeout_s)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:

@@ -109,7 +109,8 @@ class ResourcePool:
 
         All on one machine: a file rendezvous (no listening socket) over the
         loopback interface. Across machines: a TCP store on rank 0's node,
-        and the network interfaces gloo/NCCL pick themselves (set
+        listening on that node's address alone (``tcp_rendezvous``, in the
+        trainer worker), and the network interfaces gloo/NCCL pick themselves (set
         GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the cluster's env to choose).
         """
         # The file store lives on this process's disk: only for workers on this process's own node (one

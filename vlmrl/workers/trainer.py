@@ -35,6 +35,7 @@ from vlmrl.train.image_features import share_image_features
 from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
 from vlmrl.train.optimizers import build_optimizer
 from vlmrl.train.micro_batches import MicroBatching, TokenCount
+from vlmrl.weight_sync.bound_store import tcp_rendezvous
 from vlmrl.workers.store import PassInput, TrajectoryStore
 
 
@@ -103,9 +104,12 @@ class TrainerWorker:
         if device == "cuda":
             # Ray gives each worker one GPU and makes it the only visible one.
             torch.cuda.set_device(0)
+        # Across machines, rank 0's store listens on its node's address alone (vlmrl.weight_sync.bound_store).
+        store = tcp_rendezvous(init_method, rank, plan.world_size, timedelta(minutes=30))
         dist.init_process_group(
             backend=with_host_collectives(process_group_backend(device), config),
-            init_method=init_method,
+            init_method=None if store is not None else init_method,
+            store=store,
             rank=rank,
             world_size=plan.world_size,
             timeout=timedelta(minutes=30),
