@@ -16,9 +16,12 @@ engines' logs go to ``<experiment dir>/run.log`` (``vlmrl.driver.console``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import pickle
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +31,6 @@ from vlmrl.config import ConfigError, help_text, to_dict
 from vlmrl.config.help import USAGE
 from vlmrl.config.redact import mask_text
 from vlmrl.plan import describe, detect_cluster, resolve
-from vlmrl.testing.resolvers import build_missing, register_resolvers
-from vlmrl.validate import load_config
 
 
 def main(argv: list[str] | None = None, hooks=None) -> int:
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
     if missing:
         print(f"vlmrl: {missing[0]}: no such file\n{USAGE}", file=sys.stderr)
         return 2
+    # Imported here, not at the top: the driver process of a run (``_session_child``) imports this module too,
+    # and needs neither the checks (datasets, pandas) nor the tiny assets' builders.
+    from vlmrl.testing.resolvers import build_missing, register_resolvers
+    from vlmrl.validate import load_config
+
     cluster = detect_cluster()
     # examples/quickstart.yaml names its model and data as ${tiny:...}. They are only planned here, not built, so
     # that every key is checked first, in seconds; what is not built yet is built below, once the config is valid.
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None, hooks=None) -> int:
                 except ConfigError as e:
                     print(f"vlmrl: {e}", file=sys.stderr)
                     return 2
-            return _run(config, plan, hooks)
+            return _run_in_own_session(config, plan) if _splits_session(hooks) else _run(config, plan, hooks)
     except RunLocked as e:
         print(f"vlmrl: {e}", file=sys.stderr)
         return 2
@@ -179,6 +185,57 @@ def _run(config, plan, hooks) -> int:
         print(f"vlmrl: the run failed; the engines' logs are in {log_path}", file=sys.stderr, flush=True)
         raise
     return 0
+
+
+def _splits_session(hooks) -> bool:
+    """Whether this run starts a local Ray cluster of its own, to be kept apart from the caller's signals."""
+    ray = sys.modules.get("ray")
+    joined = os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized())
+    # Test hooks run in this process's Runner; without prctl's parent-death signal (Linux only) a child left
+    # behind by a killed parent would train on alone.
+    return hooks is None and not joined and sys.platform.startswith("linux")
+
+
+_CHILD = "import sys\nfrom vlmrl.main import _session_child\nsys.exit(_session_child())"
+
+
+def _run_in_own_session(config, plan) -> int:
+    """Run ``_run`` in a child process that leads a session of its own, and pass it SIGTERM and SIGINT.
+
+    The local Ray cluster (gcs_server, the raylet, the worker processes holding the Runner and the workers) is
+    started by the process that calls ``ray.init`` and stays in its session and process group. A signal sent to
+    the whole job (``kill -TERM -<pgid>``, every process of the session, ``tini -g`` as a container's PID 1)
+    would kill them before the step is finished and saved. This process stays in the caller's group and session
+    and holds the run lock; the child, the driver proper, and the cluster are out of reach of a signal to the
+    group or session and get it once, from here. A child whose parent dies (SIGKILL) is killed with it
+    (``_session_child``), and the cluster with the child (Ray's own fate-sharing).
+    """
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, start_new_session=True)
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with contextlib.suppress(BrokenPipeError):  # a child that died at start says why on stderr
+            child.stdin.write(pickle.dumps((config, plan, os.getpid())))
+            child.stdin.close()
+        code = child.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's 128 + N
+
+
+def _session_child() -> int:
+    """The child of ``_run_in_own_session``: die with the parent, then run as the driver."""
+    config, plan, parent = pickle.load(sys.stdin.buffer)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above
+        return 1
+    return _run(config, plan, None)
 
 
 @contextlib.contextmanager

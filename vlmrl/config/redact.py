@@ -18,6 +18,10 @@ Two kinds of value are secret and shown as ``***``:
   ``max_tokens`` and ``tokenizer`` are not. The schema's own fields are not
   judged by name: none holds a secret, and ``data.prompt_key`` names a column.
 
+- **every value of a mapping that holds secrets by its nature** (``SECRET_MAPPINGS``:
+  ``worker.reward.env``, the environment the reward processes get), whatever
+  its key and wherever it came from.
+
 The rule errs towards masking: a masked value that was not secret costs a
 line of log, a leaked key costs the key. Text that merely contains a value from
 the environment is masked whole when that value is at least ``MIN_SECRET_TEXT``
@@ -41,6 +45,8 @@ SECRET_WORDS = frozenset(
     }
 )
 SECRET_PARTS = ("password", "passwd", "secret", "apikey")
+SECRET_MAPPINGS = frozenset({("worker", "reward", "env")})
+"""Config paths of mappings whose every value is masked."""
 
 _ENV_NAME = re.compile(r"oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -142,7 +148,7 @@ def redact(tree: Any, schema: Any = None, secrets: Secrets | None = None) -> Any
     values = {*secrets.values, *_seen_values}
 
     def walk(node: Any, tp: Any, path: tuple) -> Any:
-        if path in secrets.paths:
+        if path in secrets.paths or (path[:-1] in SECRET_MAPPINGS and node not in (None, "")):
             return MASK
         if isinstance(node, dict):
             fields = _field_types(tp)

@@ -63,8 +63,6 @@ USER_TEMPLATE = {"user_file": "template"}
 
 __all__ = [
     "DERIVED_KEYS",
-    "USER_CODE",
-    "USER_TEMPLATE",
     "RENAMED_KEYS",
     "ActorConfig",
     "AgentHooksConfig",
@@ -679,7 +677,13 @@ class RewardConfig:
     on_timeout: TimeoutPolicy = TimeoutPolicy.error
     """vlmrl addition: a call past the timeout fails the step (error), or scores 0 and is counted in reward/timeouts (zero)."""
     memory_limit_mb: int | None = 8192
-    """vlmrl addition: address space each reward process may use (RLIMIT_AS); past it the call raises MemoryError instead of the kernel killing a worker. Null for no limit."""
+    """vlmrl addition: memory of each reward process's tree. Each process's address space is capped (RLIMIT_AS; past it the call raises MemoryError instead of the kernel killing a worker), and the processes it starts together may hold at most this much (proportional set sizes, checked every 0.2 s; past it the tree is killed and the call fails, named). Null for no limit."""
+    env: dict[str, str] = field(default_factory=dict)
+    """vlmrl addition: environment variables the reward processes get, on top of an allowlist of the run's (PATH,
+    HOME, locale, PYTHONPATH, HF_HOME and other caches, thread counts, CUDA_VISIBLE_DEVICES, proxies and CA bundles):
+    nothing else of the run's environment (API keys, tokens, VLMRL_*) reaches the reward function unless named here,
+    for example {OPENAI_API_KEY: ${oc.env:OPENAI_API_KEY}}. Its values are masked as *** wherever the config is
+    written or printed."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 

@@ -266,6 +266,7 @@ def start_scorers(
             on_timeout=reward.on_timeout,
             memory_limit_mb=reward.memory_limit_mb,
             reward_model=reward_model,
+            env=dict(reward.env),
         )
 
     train = Scorer([actor() for _ in range(train_workers)], spec)

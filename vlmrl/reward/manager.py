@@ -81,7 +81,8 @@ class FunctionRewardManager:
 
     ``timeout`` (seconds, None for no limit) bounds one call: one response for a
     sequential function, the whole batch for a batch function. ``on_timeout``
-    says whether such a call fails the step or scores 0.
+    says whether such a call fails the step or scores 0. ``env``: worker.reward.env, the variables the
+    reward processes get on top of the allowlisted ones (``vlmrl.user_process.ENV_ALLOWLIST``).
     """
 
     reward_type: RewardManagerType
@@ -98,6 +99,7 @@ class FunctionRewardManager:
         on_timeout: TimeoutPolicy = TimeoutPolicy.error,
         memory_limit_mb: int | None = None,
         reward_model: ModelLink | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.spec = spec
         self.timeout = timeout
@@ -107,7 +109,7 @@ class FunctionRewardManager:
         self.sandbox = Sandbox(
             spec, kwargs or {}, processes=processes, timeout=timeout, memory_limit_mb=memory_limit_mb,
             reward_model_kind=reward_model.kind if reward_model is not None else None,
-            service=self.model_service,
+            service=self.model_service, env=env,
         )  # fmt: skip
 
     def start(self) -> None:

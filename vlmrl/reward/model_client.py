@@ -2,8 +2,8 @@
 
 The reward function runs in a child process of the reward-manager actor
 (``vlmrl.reward.sandbox``), which is not a Ray worker. The handle therefore
-asks the manager over the child's own pipes: it sends ``("ask", call_id,
-method, args)`` and blocks until the manager sends ``("answer", value)`` or
+asks the manager over the child's own pipes: it sends ``["ask", call_id,
+method, args]`` as data (``vlmrl.user_process``) and blocks until the manager sends ``("answer", value)`` or
 ``("error", message)``. The manager batches the asks of all its processes and
 sends them to the reward model (``vlmrl.reward.model_service``). The time a
 call waits counts against ``worker.reward.timeout`` like the rest of the call.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from vlmrl.user_process import NotData, encode_data
 
 PARAMETER = "reward_model"
 """The reward function's parameter that receives the handle."""
@@ -55,7 +57,12 @@ def make_ask(inbox, outbox, current_call: Callable[[], int]) -> Callable[[str, A
     """An ask function over a reward process's pipes (``inbox``/``outbox`` are its Connections)."""
 
     def ask(method: str, args: Any) -> Any:
-        outbox.send(("ask", current_call(), method, args))
+        try:
+            message = encode_data(["ask", current_call(), method, args])
+        except NotData as e:
+            raise RewardModelError(f"reward_model.{method}: its argument is not data (dicts, lists, strings, "
+                                   f"numbers, PIL images): {e}") from e
+        outbox.send_bytes(message)
         kind, value = inbox.recv()
         if kind == "error":
             raise RewardModelError(value)

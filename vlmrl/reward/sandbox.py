@@ -9,15 +9,24 @@ Each child is ``python -m vlmrl.reward.sandbox READ_FD WRITE_FD``, started with
 ``subprocess`` rather than ``multiprocessing`` so that it neither re-imports
 the Ray worker's ``__main__`` (as spawn would) nor inherits its threads (as
 fork would). It loads the function itself, so no function is ever pickled, and
-imports nothing heavy besides the user's module. The protocol, pickled over two
-pipes (the child's stdout and stderr stay free for the user's prints):
+imports nothing heavy besides the user's module. The protocol, over two pipes
+(the child's stdout and stderr stay free for the user's prints):
 
-* parent -> child: ``{"sys_path", "spec", "kwargs"}`` once, then lists of ``(call_id, payload)``;
-* child -> parent: ``("ready",)`` or ``("failed", message)`` once, then one
-  ``("ok", call_id, value)`` or ``("raised", call_id, message)`` per call, in order.
+* parent -> child, pickled (the child trusts its parent): ``{"sys_path", "spec", "kwargs", ...}`` once,
+  then lists of ``(call_id, payload)``;
+* child -> parent, as data (``vlmrl.user_process.send_data``: JSON, so that nothing the user's code
+  returns is unpickled, and run, in the manager): ``["ready"]`` or ``["failed", message]`` once, then
+  one ``["ok", call_id, value]`` or ``["raised", call_id, message]`` per call, in order.
 * With a reward model (``vlmrl.reward.model_client``), a call may also send
-  ``("ask", call_id, method, args)`` and wait for the parent's ``("answer", value)``
+  ``["ask", call_id, method, args]`` and wait for the parent's ``("answer", value)``
   or ``("error", message)``; the parent answers from a thread through ``service``.
+
+The limits hold for the whole tree of processes the user's code starts
+(``vlmrl.user_process``): a child is a subreaper, so what its code starts stays
+its descendant after ``setsid``; the tree's memory and process count are
+checked while it works; a timeout, a death or a breach kills the whole tree; and
+what a call leaves running is killed when the call returns. A child runs in a
+scratch directory with a cut-down environment (``worker.reward.env``).
 
 A child runs the calls of a list one after the other, so the call it is working
 on is always the oldest one not yet answered: that is the one a deadline or a
@@ -30,9 +39,12 @@ import enum
 import math
 import os
 import resource
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -40,13 +52,24 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
+from vlmrl import user_process
 from vlmrl.reward.function import RewardFunctionError, check_kwargs, load_reward_function
 from vlmrl.reward.model_client import PARAMETER, RewardModelClient, make_ask
 
 START_TIMEOUT_S = 120.0
 """How long a reward process may take to import the user's module and get ready."""
+
+MAX_PROCESSES = 128
+"""Processes one reward process's tree may hold (itself included); past it the call fails and the tree is killed."""
+
+MAX_OPEN_FILES = 4096
+"""RLIMIT_NOFILE of a reward process and of what it starts."""
+
+POLL_S = 0.2
+"""How often the tree of a working reward process is measured against the limits."""
 
 
 class Status(enum.Enum):
@@ -73,16 +96,30 @@ class _State(enum.Enum):
     busy = "busy"
 
 
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The directory vlmrl is imported from: a child started elsewhere must find it too."""
+
+
+def _environment(extra: dict[str, str], scratch: str, token: str) -> dict[str, str]:
+    env = {"TMPDIR": scratch, **user_process.child_env(extra)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # the user's prints show up even if the call is killed
+    env[user_process.MARKER] = token  # every process of its tree carries it, setsid or not
+    return env
+
+
 class _Child:
-    def __init__(self, init: dict):
+    def __init__(self, init: dict, env: dict[str, str], scratch: str):
         child_read, parent_write = os.pipe()
         parent_read, child_write = os.pipe()
+        self.token = secrets.token_hex(8)
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "vlmrl.reward.sandbox", str(child_read), str(child_write)],
             pass_fds=(child_read, child_write),
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the user's prints show up even if the call is killed
-            start_new_session=True,  # its own process group: a kill reaches what user code started too
+            cwd=scratch,
+            env=_environment(env, scratch, self.token),
+            start_new_session=True,  # its own process group and session, apart from the manager's
         )
         os.close(child_read)
         os.close(child_write)
@@ -91,6 +128,8 @@ class _Child:
         self.outbox.send(init)
         self.state = _State.starting
         self.deadline = time.monotonic() + START_TIMEOUT_S
+        self.next_check = 0.0
+        """When its tree is next measured against the limits."""
         self.pending: deque[int] = deque()
         """Call ids sent and not yet answered, oldest (the one running) first."""
 
@@ -110,9 +149,11 @@ class _Child:
         return f"exited with code {code}"
 
     def kill(self) -> None:
+        """Kill it and every process of its tree: descendants (setsid or not) and whatever carries its marker."""
+        user_process.kill_tree(self.popen.pid, self.token)
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
         self.popen.wait()
         self.inbox.close()
@@ -131,10 +172,20 @@ class Sandbox:
         memory_limit_mb: int | None = None,
         reward_model_kind: str | None = None,
         service: Callable[[str, Any], Any] | None = None,
+        env: dict[str, str] | None = None,
+        max_processes: int = MAX_PROCESSES,
     ):
         self.spec, self.timeout, self.processes = spec, timeout, processes
+        self.memory_limit_mb, self.max_processes = memory_limit_mb, max_processes
+        self.env = dict(env or {})
+        """The user's variables (worker.reward.env), on top of the allowlisted ones."""
+        cwd = os.getcwd()
+        location, _, name = spec.rpartition(":")
+        if location.endswith(".py") and not os.path.isabs(location):  # the child runs elsewhere
+            spec = f"{os.path.join(cwd, location)}:{name}"
         self.init = {
-            "sys_path": list(sys.path),
+            # The manager's import path, with its working directory as `python -m` would add it.
+            "sys_path": [p or cwd for p in sys.path] + ([cwd] if cwd not in sys.path else []),
             "spec": spec,
             "kwargs": dict(kwargs),
             "memory_limit_mb": memory_limit_mb,
@@ -143,11 +194,17 @@ class Sandbox:
         self.service = service
         """Answers a call's ``("ask", ...)`` (a reward model request): ``service(method, args) -> value``."""
         self.children: list[_Child] = []
+        self._scratch: str | None = None
+
+    def _spawn(self) -> _Child:
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="vlmrl-reward-")
+        return _Child(self.init, self.env, self._scratch)
 
     def start(self) -> None:
         """Start the processes and wait until each has loaded the function; raise if one cannot."""
         while len(self.children) < self.processes:
-            self.children.append(_Child(self.init))
+            self.children.append(self._spawn())
         while any(c.state is _State.starting for c in self.children):
             self._wait_and_handle(None, None, None)
 
@@ -155,6 +212,9 @@ class Sandbox:
         for child in self.children:
             child.kill()
         self.children = []
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def __del__(self):
         try:
@@ -193,41 +253,71 @@ class Sandbox:
         """Wait for a message or the earliest deadline and handle what came; True when ``stop`` fired."""
         live = [c for c in self.children if c.state is not _State.idle]
         assert live, "waiting with no process starting or busy"
-        timeout = max(0.0, min(c.deadline for c in live) - time.monotonic())
-        ready = wait([c.inbox for c in live], timeout=None if math.isinf(timeout) else timeout)
+        timeout = min(POLL_S, max(0.0, min(c.deadline for c in live) - time.monotonic()))
+        ready = wait([c.inbox for c in live], timeout=timeout)
         stopped = False
         for child in live:
             if child.inbox in ready:
                 try:
-                    message = child.inbox.recv()
+                    message = user_process.recv_data(child.inbox)
                 except (EOFError, OSError):
                     message = None
+                except ValueError as e:  # not data: the user's code wrote to the pipe itself
+                    message = ["garbled", f"sent the manager something that is not data ({e})"]
                 stopped |= self._handle(child, message, outcomes, queue, stop)
             elif time.monotonic() >= child.deadline:
                 stopped |= self._expire(child, outcomes, queue, stop)
+            elif time.monotonic() >= child.next_check and (breach := self._breach(child)) is not None:
+                stopped |= self._kill_for(child, breach, outcomes, queue, stop)
         return stopped
 
-    def _handle(self, child: _Child, message, outcomes, queue, stop) -> bool:
+    def _breach(self, child: _Child) -> str | None:
+        """How ``child``'s tree is over a limit, or None."""
+        child.next_check = time.monotonic() + POLL_S
+        used, count = user_process.tree_usage(child.popen.pid)
+        if self.memory_limit_mb is not None and used > self.memory_limit_mb * 1024 * 1024:
+            return (
+                f"was killed with the {count} process(es) of its tree: together they held {used / 2**20:.0f} MB, "
+                f"more than worker.reward.memory_limit_mb={self.memory_limit_mb} MB"
+            )
+        if count > self.max_processes:
+            return f"was killed with the {count} processes of its tree: more than {self.max_processes} at once"
+        return None
+
+    def _kill_for(self, child: _Child, why: str, outcomes, queue, stop) -> bool:
         if child.state is _State.starting:
-            if message == ("ready",):
+            self._drop(child)
+            raise RewardFunctionError(f"a reward process for {self.spec} {why} while loading it")
+        call_id = child.pending.popleft()
+        outcomes[call_id] = Outcome(Status.died, f"the reward process {why}")
+        self._replace(child, queue)
+        return stop(outcomes[call_id])
+
+    def _handle(self, child: _Child, message, outcomes, queue, stop) -> bool:
+        kind = message[0] if isinstance(message, list) and message else None
+        if child.state is _State.starting:
+            if message == ["ready"]:
                 child.state = _State.idle
                 return False
-            what = child.exit_description() if message is None else None
+            if kind == "failed" and len(message) == 2 and isinstance(message[1], str):
+                self._drop(child)
+                raise RewardFunctionError(message[1])
+            what = child.exit_description() if message is None else f"{_garbled(message)}"
             self._drop(child)
-            if message is None:
-                raise RewardFunctionError(f"a reward process for {self.spec} {what} while loading it")
-            raise RewardFunctionError(message[1])
-        if message is not None and message[0] == "ask":  # the running call waits on the reward model
+            raise RewardFunctionError(f"a reward process for {self.spec} {what} while loading it")
+        if kind == "ask" and len(message) == 4:  # the running call waits on the reward model
             _, _, method, args = message
             threading.Thread(target=self._answer, args=(child, method, args), daemon=True).start()
             return False
-        if message is None:  # died mid-call
+        valid = kind in ("ok", "raised") and len(message) == 3 and message[1] == child.pending[0]
+        if message is None or not valid:  # died mid-call, or broke the protocol
             call_id = child.pending.popleft()
-            outcome = Outcome(Status.died, f"the reward process {child.exit_description()}")
+            what = child.exit_description() if message is None else _garbled(message)
+            outcome = Outcome(Status.died, f"the reward process {what}")
             self._replace(child, queue)
         else:
             kind, call_id, value = message
-            assert call_id == child.pending.popleft(), "reward process answered out of order"
+            child.pending.popleft()
             outcome = Outcome(Status(kind), value)
             child.deadline = time.monotonic() + (self.timeout if self.timeout is not None else math.inf)
             if not child.pending:
@@ -264,7 +354,7 @@ class Sandbox:
         if child.pending:
             queue.appendleft(list(child.pending))
         self._drop(child)
-        self.children.append(_Child(self.init))
+        self.children.append(self._spawn())
 
     def _drop(self, child: _Child) -> None:
         child.kill()
@@ -276,11 +366,21 @@ class Sandbox:
             self._replace(child, None)
 
 
+def _garbled(message: Any) -> str:
+    if isinstance(message, list) and len(message) == 2 and message[0] == "garbled":
+        return str(message[1])
+    return f"broke the protocol: it sent {str(message)[:200]}"
+
+
 _LOAD_CHECKS: dict[tuple, str | None] = {}
 
 
 def check_loads(
-    spec: str, kwargs: dict[str, Any], memory_limit_mb: int | None, reward_model_kind: str | None = None
+    spec: str,
+    kwargs: dict[str, Any],
+    memory_limit_mb: int | None,
+    reward_model_kind: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Load ``spec`` and check ``kwargs`` against it in a reward process, as a run would; raise RewardFunctionError.
 
@@ -292,11 +392,13 @@ def check_loads(
         stamp = os.stat(location).st_mtime_ns if location.endswith(".py") else None
     except OSError:
         stamp = None
-    key = (spec, repr(sorted(kwargs.items())), stamp, memory_limit_mb, reward_model_kind, tuple(sys.path), os.getcwd())
+    key = (spec, repr(sorted(kwargs.items())), stamp, memory_limit_mb, reward_model_kind, tuple(sys.path), os.getcwd(),
+           repr(sorted((env or {}).items())))  # fmt: skip
     if key not in _LOAD_CHECKS:
         sandbox = Sandbox(
-            spec, kwargs, processes=1, timeout=None, memory_limit_mb=memory_limit_mb, reward_model_kind=reward_model_kind
-        )
+            spec, kwargs, processes=1, timeout=None, memory_limit_mb=memory_limit_mb,
+            reward_model_kind=reward_model_kind, env=env,
+        )  # fmt: skip
         try:
             sandbox.start()
             _LOAD_CHECKS[key] = None
@@ -322,9 +424,10 @@ def _exit_with_parent() -> None:
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
-        # This process leads its own process group (start_new_session): kill the group, so that no
-        # process the user's code started outlives the manager either.
+        # Kill this process's tree and its process group, so that no process the user's code started
+        # (setsid or not) outlives the manager either.
         try:
+            user_process.kill_tree(os.getpid(), os.environ.get(user_process.MARKER), spare={os.getpid()})
             os.killpg(os.getpgid(0), signal.SIGKILL)
         finally:
             os._exit(1)
@@ -340,16 +443,20 @@ def _describe(e: BaseException) -> str:
 
 def serve(read_fd: int, write_fd: int) -> None:
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    user_process.become_subreaper()  # what the user's code starts stays in this tree, setsid or double fork
     _exit_with_parent()
     init = inbox.recv()
     limit_mb = init.get("memory_limit_mb")
     if limit_mb is not None:
         # Address space, before the user's module loads: a function that eats memory gets MemoryError
         # in its own call instead of the kernel's OOM killer picking the biggest process (a worker).
+        # Per process; the manager bounds the tree's total.
         limit = limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    # The manager's import path, and its working directory as `python -m` would add it.
-    sys.path[:] = init["sys_path"] + ([os.getcwd()] if os.getcwd() not in init["sys_path"] else [])
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+    sys.path[:] = init["sys_path"]
     kwargs = dict(init["kwargs"])
     running = [-1]  # the call being served, for the reward model's asks
     try:
@@ -357,11 +464,13 @@ def serve(read_fd: int, write_fd: int) -> None:
         kwargs.update(_reward_model_kwargs(fn, init, make_ask(inbox, outbox, lambda: running[0])))
         check_kwargs(fn, init["spec"], kwargs)
     except RewardFunctionError as e:
-        outbox.send(("failed", str(e)))
+        user_process.send_data(outbox, ["failed", str(e)])
         return
-    outbox.send(("ready",))
+    # Processes the module started as it loaded (a pool, say) live as long as this one; those a call starts do not.
+    resident = set(user_process.tree(os.getpid())) - {os.getpid()}
+    user_process.send_data(outbox, ["ready"])
     try:
-        _serve_calls(fn, kwargs, inbox, outbox, limit_mb, running)
+        _serve_calls(fn, kwargs, inbox, outbox, limit_mb, running, resident)
     except (EOFError, BrokenPipeError):  # the manager closed the pipes or is gone
         return
 
@@ -392,7 +501,13 @@ def _reward_model_kwargs(fn: Callable, init: dict, ask: Callable) -> dict[str, A
 
 
 def _serve_calls(
-    fn: Callable, kwargs: dict, inbox: Connection, outbox: Connection, limit_mb: int | None, running: list[int]
+    fn: Callable,
+    kwargs: dict,
+    inbox: Connection,
+    outbox: Connection,
+    limit_mb: int | None,
+    running: list[int],
+    resident: set[int],
 ) -> None:
     while True:
         calls = inbox.recv()
@@ -404,12 +519,28 @@ def _serve_calls(
                 message = _describe(e)
                 if isinstance(e, MemoryError) and limit_mb is not None:
                     message = f"it needed more than worker.reward.memory_limit_mb={limit_mb} MB: {message}"
-                outbox.send(("raised", call_id, message))
-                continue
+                value, kind = message, "raised"
+            else:
+                kind = "ok"
+            _end_leftovers(resident)
             try:
-                outbox.send(("ok", call_id, value))
-            except Exception as e:  # pickling failed before anything was written
-                outbox.send(("raised", call_id, f"it returned a value that cannot be sent back: {_describe(e)}"))
+                user_process.send_data(outbox, [kind, call_id, value])
+            except user_process.NotData as e:  # found before anything was written
+                message = (
+                    f"it returned a value that cannot be sent back: {e}; a reward returns data (dicts, lists, "
+                    "strings, numbers, booleans, None), never objects, which could run code when rebuilt"
+                )
+                user_process.send_data(outbox, ["raised", call_id, message])
+
+
+def _end_leftovers(resident: set[int]) -> None:
+    """Kill what the call started and left running (the resident processes and theirs excepted)."""
+    if not user_process.has_children():  # the common case, without a look through /proc
+        return
+    me = os.getpid()
+    spare = {me} | {p for r in resident for p in user_process.tree(r)}
+    killed = user_process.kill_tree(me, spare=spare)
+    user_process.reap(killed)
 
 
 if __name__ == "__main__":

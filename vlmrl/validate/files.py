@@ -18,6 +18,7 @@ from vlmrl.reward.function import RewardFunctionError
 from vlmrl.reward.model_reward import reward_spec
 from vlmrl.reward.sandbox import check_loads
 from vlmrl.user_code import resolved_from
+from vlmrl.user_process import ENV_NAME, MARKER
 
 __all__ = ["checkpoint_problems", "logger_problems", "model_problems", "path_problems", "reward_problems"]
 
@@ -123,7 +124,7 @@ def reward_problems(reward: RewardConfig, agent: str | None = None) -> list[str]
     With an external ``agent`` it may be unset: the agent then returns every rollout's reward, and a rollout it
     returns None for fails its step, naming the rollout (``vlmrl.driver.scoring.Scorer.launch``).
     """
-    problems = []
+    problems = env_problems(reward.env)
     model = reward.reward_model
     spec = reward_spec(reward.reward_function, model.model_path)
     if not spec and not agent:
@@ -136,7 +137,8 @@ def reward_problems(reward: RewardConfig, agent: str | None = None) -> list[str]
         try:
             # In a reward process, as a run loads it: a module that exits or crashes at import ends that process.
             kind = model.kind.value if model.model_path else None
-            check_loads(spec, reward.reward_function_kwargs, reward.memory_limit_mb, kind)
+            env = dict(reward.env) if not problems else {}
+            check_loads(spec, reward.reward_function_kwargs, reward.memory_limit_mb, kind, env)
         except RewardFunctionError as e:
             problems.append(str(e))
     if reward.num_cpus < 1:
@@ -157,6 +159,25 @@ def reward_problems(reward: RewardConfig, agent: str | None = None) -> list[str]
         )
     return problems
 
+
+
+def env_problems(env: dict[str, str]) -> list[str]:
+    """worker.reward.env: names a process environment can hold, values that are text, not the sandbox's marker."""
+    problems = []
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            problems.append(
+                f"worker.reward.env: {name!r} is not an environment variable name (letters, digits and _, not "
+                "starting with a digit); rename it"
+            )
+        elif name == MARKER:
+            problems.append(f"worker.reward.env.{name}: is set by vlmrl itself for every reward process; remove it")
+        elif not isinstance(value, (str, int, float)) or "\0" in str(value):
+            problems.append(
+                f"worker.reward.env.{name}: must be text without NUL characters (the value is not shown: it may be a "
+                "secret); give a string, or remove the key"
+            )
+    return problems
 
 
 def checkpoint_problems(trainer: TrainerConfig) -> list[str]:
