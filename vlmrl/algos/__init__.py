@@ -13,6 +13,7 @@ re-exports the public names so callers have one import:
   the clipped value loss.
 * ``algos.kl``: ``KL_ESTIMATORS``, KL folded into the reward, ``KL_CONTROLLERS``.
 * ``algos.groups``: DAPO online filtering, zero-advantage group count.
+* ``algos.normalisation``: reward scaling, bias and clipping; advantage normalisation by group or batch (AReaL).
 * ``algos.logits``: log-probs and entropy from logits.
 * ``algos.rollout_correction``: importance weights of the trained policy over the engine's (TIS, MIS, IcePop,
   the veto) and the mismatch KL.
@@ -45,6 +46,7 @@ from vlmrl.algos.decoupled import (
     proximal_log_probs_loglinear,
 )
 from vlmrl.algos.groups import online_filter_keep, zero_advantage_groups
+from vlmrl.algos.normalisation import NormLevel, normalise_advantages, shape_rewards, shape_scores
 from vlmrl.algos.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -88,6 +90,10 @@ from vlmrl.algos.rollout_credit import (
 )
 
 __all__ = [
+    "NormLevel",
+    "normalise_advantages",
+    "shape_rewards",
+    "shape_scores",
     "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",

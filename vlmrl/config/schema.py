@@ -30,6 +30,7 @@ from vlmrl.algos import (
     KLControllerType,
     KLEstimator,
     LossAvgMode,
+    NormLevel,
     PolicyLossType,
     ProximalLogProbs,
 )
@@ -146,6 +147,19 @@ class DataConfig:
 
 
 @dataclass
+class AdvNormConfig:
+    """AReaL's ``adv_norm``: after the estimator, A <- (A - mean) / (std + 1e-6), each statistic over the valid
+    tokens of the row's group (the responses to one prompt) or of the whole batch, or left out (none). Both none
+    (the default) leaves the estimator's advantages as they are."""
+
+    mean_level: NormLevel = NormLevel.none
+    """What the subtracted mean is taken over: group, batch, or none (no mean is subtracted)."""
+    std_level: NormLevel = NormLevel.none
+    """What the dividing std is taken over (around that set's own mean): group, batch, or none (no division).
+    grpo and grpo_passk already divide by the group std unless algorithm.norm_adv_by_std_in_grpo=false."""
+
+
+@dataclass
 class RolloutCorrectionConfig:
     """vlmrl addition (verl's rollout correction; TRL, SkyRL, slime): weigh each trained token by the ratio of the
     policy the loss assumes (the old log-probs, or the decoupled loss's proximal ones) to the engine's that sampled
@@ -208,6 +222,16 @@ class AlgorithmConfig:
     """vlmrl addition, with worker.rollout.agent: how an agent's recorded calls become training rows: trajectory
     (a call whose prompt extends the row so far continues it, as few rows as possible) or transition (one row per
     call). Either way the advantage is computed once per rollout and broadcast to its rows."""
+    reward_scaling: float = 1.0
+    """AReaL's reward_scaling: each sequence's reward becomes clip((reward + reward_bias) x reward_scaling), before
+    the KL penalty and the advantages (the logged critic/score keeps the reward function's own)."""
+    reward_bias: float = 0.0
+    """AReaL's reward_bias: added to each sequence's reward before reward_scaling multiplies it."""
+    reward_clip: float | None = None
+    """AReaL's reward_clip: the shaped reward is clipped to [-reward_clip, reward_clip]; null: not clipped."""
+    adv_norm: AdvNormConfig = field(default_factory=AdvNormConfig)
+    """vlmrl addition in AReaL's form: normalise the estimator's advantages by group or batch, with or without the
+    std."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """vlmrl addition: importance weights for the mismatch between the engine that samples and the actor that
     trains (TIS, MIS, IcePop, the veto), at token or sequence level."""

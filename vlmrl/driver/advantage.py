@@ -1,5 +1,6 @@
-"""The driver's advantage stage: token-level rewards (with the KL penalty folded
-in when the KL is in the reward), then the configured estimator.
+"""The driver's advantage stage: token-level rewards (shaped by algorithm.reward_scaling, reward_bias and
+reward_clip, with the KL penalty folded in when the KL is in the reward), then the configured estimator, then
+algorithm.adv_norm.
 
 The estimator's ``EstimatorSpec`` says what it takes (a critic's values, a greedy
 baseline, config knobs); nothing here tests an estimator's name.
@@ -53,14 +54,15 @@ class AdvantageStage:
         Reads the batch, writes nothing to it; advances the adaptive KL controller.
         """
         metrics = {}
+        batch.require("token_level_scores")
+        shaped = self._shaped(batch.token_level_scores, batch.response_mask)
         if self.kl_controller is None:
-            batch.require("token_level_scores")
-            rewards = batch.token_level_scores
+            rewards = shaped
         else:
-            batch.require("token_level_scores", "old_log_probs", "ref_log_probs")
+            batch.require("old_log_probs", "ref_log_probs")
             coef = self.kl_controller.coef
             rewards, current_kl = algos.kl_in_reward(
-                batch.token_level_scores,
+                shaped,
                 batch.old_log_probs,
                 batch.ref_log_probs,
                 batch.response_mask,
@@ -77,15 +79,31 @@ class AdvantageStage:
                 batch.rollout_ids, batch.group_ids.tolist(), scores, batch.response_mask, self.algo.adv_estimator,
                 **kwargs,
             )  # fmt: skip
-            return Advantages(rewards, advantages, returns, metrics)
+            return Advantages(rewards, self._normalised(advantages, batch), returns, metrics)
         if self.spec.needs_critic:
             batch.require("values")
             kwargs["values"] = batch.values
         if self.spec.needs_greedy_baseline:
             batch.require("reward_baselines")
-            kwargs["baseline_scores"] = batch.reward_baselines
+            # The greedy response's reward is shaped as the samples' are, so the baseline is in the same units.
+            a = self.algo
+            kwargs["baseline_scores"] = algos.shape_scores(
+                batch.reward_baselines, a.reward_scaling, a.reward_bias, a.reward_clip
+            )
         advantages, returns = self.spec.fn(rewards, batch.response_mask, batch.group_ids, **kwargs)
-        return Advantages(rewards, advantages, returns, metrics)
+        return Advantages(rewards, self._normalised(advantages, batch), returns, metrics)
+
+    def _shaped(self, scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        a = self.algo
+        if (a.reward_scaling, a.reward_bias, a.reward_clip) == (1.0, 0.0, None):
+            return scores  # the default: the reward function's scores exactly
+        return algos.shape_rewards(scores, response_mask, a.reward_scaling, a.reward_bias, a.reward_clip)
+
+    def _normalised(self, advantages: torch.Tensor, batch: Batch) -> torch.Tensor:
+        norm = self.algo.adv_norm
+        return algos.normalise_advantages(
+            advantages, batch.response_mask, batch.group_ids, norm.mean_level, norm.std_level
+        )
 
     def state(self) -> dict[str, float]:
         """What a checkpoint must hold for an exact resume: the adaptive KL coefficient."""

@@ -28,6 +28,7 @@ from vlmrl.validate.agents import external_agent_problems, multi_turn_problems
 from vlmrl.validate.async_rl import async_problems
 from vlmrl.validate.reward_model import reward_model_problems
 from vlmrl.validate.rollout_correction import rollout_correction_problems
+from vlmrl.validate.normalisation import normalisation_problems
 from vlmrl.validate.features import (
     device_problems,
     estimator_problems,
@@ -79,6 +80,7 @@ def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str,
         *schedule_problems(config),
         *kl_problems(config.algorithm),
         *estimator_problems(config),
+        *normalisation_problems(config),
         *rollout_correction_problems(config),
         *loss_mode_problems(config),
         *proximal_problems(config),
