@@ -477,6 +477,11 @@ class MultiTurnConfig:
     """Seconds one tool call (or environment step) may take; past it the model gets an error observation."""
     max_parallel_calls: int = 4
     """Tool calls run per model turn, concurrently; further calls of that turn are answered with an error."""
+    tool_processes: int = 4
+    """vlmrl addition: child processes per rollout worker that run the tools (each loads them all): a call past
+    tool_timeout has its process killed, and a crash (os._exit, a segfault) is an error observation, not a dead worker;
+    results and context.state travel as data. 0 runs them in the worker (async def in its event loop, others in 32
+    threads; once every thread is held by a call that timed out, the step fails, naming the tools)."""
 
 
 @dataclass

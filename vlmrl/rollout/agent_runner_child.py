@@ -6,11 +6,13 @@ aiohttp. A process is ``python -m vlmrl.rollout.agent_runner_child READ_FD
 WRITE_FD`` (``subprocess``, not ``multiprocessing``: it neither re-imports
 the parent's ``__main__`` as spawn would nor inherits the parent's vLLM
 threads as fork would). It loads the agent itself, so no function is pickled.
-The protocol, pickled over two pipes (stdout and stderr stay the user's):
+The protocol, over two pipes (stdout and stderr stay the user's):
 
-* parent -> child: ``{"sys_path", "spec", "key"}`` once, then ``(task, llm fields)`` per rollout;
-* child -> parent: ``("ready",)`` or ``("failed", message)`` once, then
-  ``("ok", value)`` or ``("raised", traceback text)`` per rollout.
+* parent -> child, pickled (the child trusts its parent): ``{"sys_path", "spec", "key"}`` once, then
+  ``(task, llm fields)`` per rollout;
+* child -> parent, as data (``vlmrl.user_process.send_data``: JSON, so that nothing the agent returns
+  is unpickled, and run, in the rollout worker): ``["ready"]`` or ``["failed", message]`` once, then
+  ``["ok", value]`` or ``["raised", traceback text]`` per rollout.
 
 One rollout at a time per process, so a hang or a crash is charged to the one
 rollout the process was running.
@@ -31,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from vlmrl.user_code import UserCodeError, load_object
+from vlmrl.user_process import MARKER, NotData, become_subreaper, kill_tree, send_data
 
 KEY = "worker.rollout.agent"
 
@@ -82,7 +85,7 @@ def describe(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- child side
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """End this process (and what the agent started: it leads its own process group) when its parent is gone.
 
     Polled rather than PR_SET_PDEATHSIG, which follows the parent *thread*.
@@ -93,6 +96,7 @@ def _exit_with_parent() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
         try:
+            kill_tree(os.getpid(), os.environ.get(MARKER), spare={os.getpid()})  # setsid ones too
             os.killpg(os.getpgid(0), signal.SIGKILL)
         finally:
             os._exit(1)
@@ -102,7 +106,8 @@ def _exit_with_parent() -> None:
 
 def serve(read_fd: int, write_fd: int) -> None:
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    _exit_with_parent()
+    become_subreaper()  # what the agent starts stays in this tree, setsid or double fork
+    exit_with_parent()
     init = inbox.recv()
     # The parent's import path, and its working directory as `python -m` would add it.
     sys.path[:] = init["sys_path"] + ([os.getcwd()] if os.getcwd() not in init["sys_path"] else [])
@@ -111,9 +116,9 @@ def serve(read_fd: int, write_fd: int) -> None:
         if check_agent(fn, init["spec"], init["key"]):
             raise UserCodeError(f"{init['key']}={init['spec']} is async def; it runs in the runner's event loop")
     except UserCodeError as e:
-        outbox.send(("failed", str(e)))
+        send_data(outbox, ["failed", str(e)])
         return
-    outbox.send(("ready",))
+    send_data(outbox, ["ready"])
     try:
         _serve_rollouts(fn, inbox, outbox)
     except (EOFError, BrokenPipeError):  # the parent closed the pipes or is gone
@@ -126,12 +131,13 @@ def _serve_rollouts(fn: Callable, inbox: Connection, outbox: Connection) -> None
         try:
             value = fn(task, AgentLLM(**llm))
         except BaseException as e:  # sys.exit() in the agent is a failed rollout too
-            outbox.send(("raised", describe(e)))
+            send_data(outbox, ["raised", describe(e)])
             continue
         try:
-            outbox.send(("ok", value))
-        except Exception as e:  # pickling failed before anything was written
-            outbox.send(("raised", f"the agent returned a value that cannot be sent back: {describe(e)}"))
+            send_data(outbox, ["ok", value])
+        except NotData as e:  # found before anything was written
+            send_data(outbox, ["raised", f"the agent returned a value that cannot be sent back: {e}; an agent "
+                                         "returns its reward (a number) or None, never an object"])
 
 
 if __name__ == "__main__":

@@ -11,9 +11,18 @@ A tool gets its parsed arguments as keyword arguments and, if it has a
 parameter named ``context``, a ``ToolContext``: the row's fields, the images
 the trajectory has shown so far, the turn number and a dict that lives as
 long as the trajectory. It returns text, images, or a ``ToolResult`` with an
-optional turn reward and a ``done`` flag. ``async def`` tools are awaited;
-plain functions run in a thread pool so that a slow one does not hold up the
-others.
+optional turn reward and a ``done`` flag.
+
+Tools loaded from their specs run in child processes of the rollout worker
+(``multi_turn.tool_processes``, ``vlmrl.rollout.tool_child``): a call that
+hangs past the timeout has its process killed and replaced, and one that
+crashes it (``os._exit``, a segfault) is an error observation, not a dead
+worker. Their results and ``context.state`` come back as data. With
+``tool_processes=0``, ``async def`` tools are awaited in the worker's event
+loop and plain functions run in a thread pool; a hung thread cannot be
+stopped, so once every thread is held by a call that timed out, the next call
+raises ``ToolPoolExhausted`` (the step fails, naming the tools) instead of
+timing out unseen.
 
 Whatever a tool does wrong (bad arguments, an exception, a timeout, a result
 of the wrong type) becomes an error observation the model reads, with a
@@ -23,13 +32,15 @@ status the metrics count; it never ends the run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import threading
 import re
 import time
 import types
 import typing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -37,6 +48,10 @@ from typing import Any
 from vlmrl.user_code import UserCodeError, load_object
 
 KEY = "worker.rollout.multi_turn.tools"
+
+
+class ToolPoolExhausted(RuntimeError):
+    """Every thread of the tool pool is held by a call that timed out and never returned."""
 
 
 class ToolStatus(str, Enum):
@@ -93,6 +108,8 @@ class Tool:
     """JSON schema of the arguments (an object)."""
     fn: Callable
     takes_context: bool
+    spec: str = ""
+    """Where it was loaded from (path/to/file.py:name); empty for a Tool built from a function in this process."""
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style function schema chat templates take as ``tools=``."""
@@ -182,7 +199,7 @@ def tool_from_function(fn: Callable, where: str) -> Tool:
 
 def load_tools(specs: list[str]) -> list[Tool]:
     """The tools ``specs`` name, in order; their names must be unique."""
-    tools = [tool_from_function(load_object(spec, KEY), spec) for spec in specs]
+    tools = [dataclasses.replace(tool_from_function(load_object(spec, KEY), spec), spec=spec) for spec in specs]
     seen: dict[str, str] = {}
     for spec, t in zip(specs, tools):
         if t.name in seen:
@@ -233,17 +250,30 @@ class CallOutcome:
 
 
 class ToolRunner:
-    """Runs tool calls concurrently: ``async def`` tools on the event loop, others in a thread pool.
+    """Runs tool calls concurrently: in ``processes`` child processes when that is above 0 and every tool was
+    loaded from a spec; else ``async def`` tools on the event loop and others in a thread pool.
 
-    A sync tool that hangs past the timeout is given up on (its call is an error
-    observation) but its thread cannot be stopped; the pool is sized so that a
-    few such threads do not starve the others.
+    In processes, a call past the timeout has its process killed and replaced. In threads, a sync tool
+    that hangs past the timeout is given up on (its call is an error observation) but its thread
+    cannot be stopped; once all ``threads`` are held so, the next sync call raises ToolPoolExhausted.
     """
 
-    def __init__(self, tools: list[Tool], timeout: float | None, threads: int = 32):
+    def __init__(self, tools: list[Tool], timeout: float | None, threads: int = 32, processes: int = 0):
         self.tools = {t.name: t for t in tools}
         self.timeout = timeout
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlmrl-tool")
+        self._stuck = 0
+        """Threads still running a call that timed out."""
+        self._lock = threading.Lock()
+        self.processes = None
+        if processes > 0 and tools and all(t.spec for t in tools):
+            from vlmrl.rollout.agent_runner_pool import AgentProcesses
+
+            self.processes = AgentProcesses(
+                [t.spec for t in tools], KEY, processes, module="vlmrl.rollout.tool_child", what="tool"
+            )
+            self.processes.start()
 
     async def call(self, name: str, arguments: Any, context: ToolContext) -> CallOutcome:
         tool_ = self.tools.get(name)
@@ -259,16 +289,26 @@ class ToolRunner:
             inspect.signature(tool_.fn).bind(**kwargs)
         except TypeError as e:
             return _failed(name, arguments, ToolStatus.bad_arguments, f"bad arguments for {name}: {e}")
+        if self.processes is not None:
+            return await self._call_in_process(tool_, arguments, context)
         start = time.perf_counter()
+        thread_call = None
         try:
             if inspect.iscoroutinefunction(tool_.fn):
                 work = tool_.fn(**kwargs)
             else:
-                work = asyncio.get_running_loop().run_in_executor(self.pool, lambda: tool_.fn(**kwargs))
+                thread_call = self._submit(tool_, kwargs)
+                work = asyncio.wrap_future(thread_call)
             value = await asyncio.wait_for(work, self.timeout)
             result = as_result(value)
         except asyncio.TimeoutError:
+            if thread_call is not None and not thread_call.done():  # its thread runs on until the tool returns
+                with self._lock:
+                    self._stuck += 1
+                thread_call.add_done_callback(lambda _: self._unstick())
             outcome = _failed(name, arguments, ToolStatus.timeout, f"{name} timed out after {self.timeout} s")
+        except ToolPoolExhausted:
+            raise
         except Exception as e:  # the tool's own failure: the model is told, the run goes on
             outcome = _failed(name, arguments, ToolStatus.error, f"{name} failed: {type(e).__name__}: {e}")
         else:
@@ -276,8 +316,53 @@ class ToolRunner:
         outcome.seconds = time.perf_counter() - start
         return outcome
 
+    def _submit(self, tool_: Tool, kwargs: dict) -> Future:
+        """The call on a pool thread; ToolPoolExhausted when every thread is held by a call that timed out."""
+        with self._lock:
+            stuck = self._stuck
+        if stuck >= self.threads:
+            raise ToolPoolExhausted(
+                f"{KEY}: all {self.threads} tool threads are held by calls that ran past "
+                f"multi_turn.tool_timeout={self.timeout} s and never returned, so no tool call can run; "
+                f"the tools ({', '.join(sorted(self.tools))}) hang. Fix them, or run them in processes "
+                "(multi_turn.tool_processes > 0), where a hung call's process is killed"
+            )
+        return self.pool.submit(lambda: tool_.fn(**kwargs))
+
+    def _unstick(self) -> None:
+        with self._lock:
+            self._stuck -= 1
+
+    async def _call_in_process(self, tool_: Tool, arguments: dict, context: ToolContext) -> CallOutcome:
+        name = tool_.name
+        fields = None
+        if tool_.takes_context:
+            fields = {f.name: getattr(context, f.name) for f in dataclasses.fields(context)}
+        loop = asyncio.get_running_loop()
+        kind, value, seconds = await loop.run_in_executor(
+            self.pool, self.processes.call, (name, arguments, fields), self.timeout
+        )
+        if kind == "ok":
+            if tool_.takes_context and isinstance(value.get("state"), dict):
+                context.state.clear()
+                context.state.update(value["state"])
+            try:
+                result = as_result({k: value[k] for k in ("text", "images", "reward", "done")})
+            except TypeError as e:
+                outcome = _failed(name, arguments, ToolStatus.error, f"{name} failed: {e}")
+            else:
+                outcome = CallOutcome(name, arguments, ToolStatus.ok, result)
+        elif kind == "timeout":
+            outcome = _failed(name, arguments, ToolStatus.timeout, f"{name} timed out after {self.timeout} s")
+        else:  # raised, or its process died (the worker did not)
+            outcome = _failed(name, arguments, ToolStatus.error, f"{name} failed: {value}")
+        outcome.seconds = seconds
+        return outcome
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
 
 
 def _failed(name: str, arguments: Any, status: ToolStatus, message: str) -> CallOutcome:

@@ -37,6 +37,7 @@ def multi_turn_problems(config: Config) -> list[str]:
         ("max_tool_response_length", mt.max_tool_response_length, 1),
         ("max_images", mt.max_images, 0),
         ("max_parallel_calls", mt.max_parallel_calls, 1),
+        ("tool_processes", mt.tool_processes, 0),
     ):
         if not value >= low:
             problems.append(f"{P}.{key}={value}: must be at least {low}")

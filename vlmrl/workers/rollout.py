@@ -155,7 +155,7 @@ def build_agent_loop(config: Config, engine, processor, pad_ids: tuple[int, int]
         limits,
         positions=positions,
         pad_ids=pad_ids,
-        runner=ToolRunner(tools, multi_turn.tool_timeout) if tools else None,
+        runner=ToolRunner(tools, multi_turn.tool_timeout, processes=multi_turn.tool_processes) if tools else None,
         parser=load_parser(multi_turn.format),
         env_class=load_object(multi_turn.env, "worker.rollout.multi_turn.env") if multi_turn.env else None,
     )
