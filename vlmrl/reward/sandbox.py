@@ -25,8 +25,9 @@ The limits hold for the whole tree of processes the user's code starts
 (``vlmrl.user_process``): a child is a subreaper, so what its code starts stays
 its descendant after ``setsid``; the tree's memory and process count are
 checked while it works; a timeout, a death or a breach kills the whole tree; and
-what a call leaves running is killed when the call returns. A child runs in a
-scratch directory with a cut-down environment (``worker.reward.env``).
+what a call leaves running is killed when the call returns. A child loads the
+module from the run's directory, then serves calls in a scratch directory,
+with a cut-down environment (``worker.reward.env``).
 
 A child runs the calls of a list one after the other, so the call it is working
 on is always the oldest one not yet answered: that is the one a deadline or a
@@ -180,10 +181,8 @@ class Sandbox:
         self.env = dict(env or {})
         """The user's variables (worker.reward.env), on top of the allowlisted ones."""
         cwd = os.getcwd()
-        location, _, name = spec.rpartition(":")
-        if location.endswith(".py") and not os.path.isabs(location):  # the child runs elsewhere
-            spec = f"{os.path.join(cwd, location)}:{name}"
         self.init = {
+            "cwd": cwd,  # where the module is loaded from; calls run in the scratch directory
             # The manager's import path, with its working directory as `python -m` would add it.
             "sys_path": [p or cwd for p in sys.path] + ([cwd] if cwd not in sys.path else []),
             "spec": spec,
@@ -459,6 +458,8 @@ def serve(read_fd: int, write_fd: int) -> None:
     sys.path[:] = init["sys_path"]
     kwargs = dict(init["kwargs"])
     running = [-1]  # the call being served, for the reward model's asks
+    scratch = os.getcwd()
+    os.chdir(init["cwd"])  # a relative spec, and what the module reads as it loads, resolve as in the run
     try:
         fn, _ = load_reward_function(init["spec"])
         kwargs.update(_reward_model_kwargs(fn, init, make_ask(inbox, outbox, lambda: running[0])))
@@ -466,6 +467,8 @@ def serve(read_fd: int, write_fd: int) -> None:
     except RewardFunctionError as e:
         user_process.send_data(outbox, ["failed", str(e)])
         return
+    finally:
+        os.chdir(scratch)
     # Processes the module started as it loaded (a pool, say) live as long as this one; those a call starts do not.
     resident = set(user_process.tree(os.getpid())) - {os.getpid()}
     user_process.send_data(outbox, ["ready"])
