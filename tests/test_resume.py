@@ -113,11 +113,22 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(uninterrup
     proc = run_main(
         out, *SMALL, f"data.val_files={tiny_assets.val_file}", "trainer.val_only=true",
         f"trainer.load_checkpoint_path={checkpoint}",
+        # Two sampled responses per prompt, so this run also shows verl's mean@N, best@N and maj@N end to end;
+        # two prompts per validation batch, so a prompt's responses must be told apart across batches.
+        "worker.rollout.val_override_config.n=2", "worker.rollout.val_override_config.temperature=1.0",
+        "data.val_batch_size=2",
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
     logged = read_metrics(out)
     assert [m["step"] for m in logged] == [STEPS]
     assert "val/reward/overall" in logged[0] and "actor/pg_loss" not in logged[0]
+    means = {k.removesuffix("/overall/mean@2"): v for k, v in logged[0].items() if k.endswith("/overall/mean@2")}
+    assert means, sorted(logged[0])
+    for source, mean in means.items():  # source: "val/<data source>"
+        # Every prompt has 2 responses, so the mean over prompts of their means is the plain mean over responses.
+        assert mean == pytest.approx(logged[0][f"{source}/overall"])
+        assert logged[0][f"{source}/overall/best@2"] >= mean
+        assert f"{source}/overall/maj@2" in logged[0]
     assert not (experiment_dir(out) / "checkpoints").exists()
 
 

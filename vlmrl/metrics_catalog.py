@@ -406,6 +406,17 @@ _VALIDATION = (
            "at each validation"),
     Metric("val/{source...}/{score}", "Mean of one score (overall or a sub-score) over the validation prompts of "
            "one data source (the data's data_source column, unknown where it has none).", "at each validation"),
+    Metric("val/{source...}/{score}/mean@{n}", "verl's mean@N: the mean of one score over the N responses to a "
+           "prompt, averaged over the source's prompts (equals val/{source}/{score} when every prompt has N).",
+           "at each validation, worker.rollout.val_override_config.n above 1"),
+    Metric("val/{source...}/{score}/best@{n}", "verl's best@N: the highest score among the N responses to a prompt, "
+           "averaged over the source's prompts; the model's ceiling with N tries (pass@N for a 0/1 score). Exact on "
+           "the N responses drawn, not bootstrapped.",
+           "at each validation, worker.rollout.val_override_config.n above 1"),
+    Metric("val/{source...}/{score}/maj@{n}", "verl's maj@N: the score of the answer most of a prompt's N responses "
+           "give (a pred sub-score when the reward function returns one, else the response text; a tie goes to the "
+           "answer given first), averaged over the source's prompts.",
+           "at each validation, worker.rollout.val_override_config.n above 1"),
 )
 
 _DATA = (

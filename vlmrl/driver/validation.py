@@ -7,11 +7,22 @@ sub-score the reward function returns. The first ``trainer.val_generations_to_lo
 samples (the same rows at every validation, so answers can be followed over
 the run) go to <experiment dir>/generations/step_<k>.jsonl with their token
 ids and vLLM log-probs, and to the tracker's loggers with their images.
+
+With ``val_override_config.n`` = N > 1, each source and score also gets verl's
+N-sample views (``at_n_metrics``): ``mean@N``, ``best@N`` and ``maj@N``, per
+prompt and then averaged over the source's prompts. Unlike verl, which
+bootstraps them (resampling N of the N with replacement, 1000 times), they are
+the statistics of the N responses drawn: exact and deterministic, and best@N is
+not biased down by repeated draws. Majority voting needs an answer per response:
+a ``pred`` sub-score when the reward function returns one (numbers only, as
+every score), else the response text with surrounding whitespace stripped.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from vlmrl.records import Batch
@@ -40,10 +51,11 @@ class Validator:
         self.tracker = tracker
 
     def run(self, step: int) -> dict[str, float]:
-        parts, timeouts = [], 0
+        parts, timeouts, first_id = [], 0, 0
         for prompts in self.loader:
-            # Group ids only matter for advantages, which validation does not compute.
-            batch = self.workers.generate(prompts, list(range(len(prompts))), self.sampling)
+            # Group ids tell the n responses of one prompt apart from another's (mean@N, best@N, maj@N).
+            batch = self.workers.generate(prompts, list(range(first_id, first_id + len(prompts))), self.sampling)
+            first_id += len(prompts)
             rewards = self.scorer.collect(self.scorer.launch(batch), batch)
             rewards.assign_to(batch)
             timeouts += rewards.metrics["reward/timeouts"]
@@ -56,6 +68,10 @@ class Validator:
             rows = [i for i, s in enumerate(counted.data_sources) if s == source]
             per_source = {k: [v[i] for i in rows] for k, v in counted.reward_metrics.items()}
             metrics.update(reduce_reward_metrics(per_source, prefix=f"val/{source}"))
+        votes = counted.reward_metrics.get("pred") or [text.strip() for text in counted.response_texts]
+        metrics.update(
+            at_n_metrics(counted.data_sources, counted.group_ids.tolist(), counted.reward_metrics, votes)
+        )
         self._write_generations(batch, step)
         if self.tracker is not None and self.generations_to_log > 0:
             self.tracker.log_samples(samples(batch, step, self.generations_to_log), step)
@@ -100,6 +116,61 @@ class Validator:
                         images=len(t.media),
                     )
                 f.write(json.dumps(row) + "\n")
+
+
+def at_n_metrics(
+    sources: Sequence[str],
+    prompt_ids: Sequence[int],
+    scores: dict[str, Sequence[float]],
+    votes: Sequence[Hashable],
+) -> dict[str, float]:
+    """verl's N-sample validation views of every score, per data source, for prompts with N > 1 responses.
+
+    For a prompt whose N responses score ``x_1..x_N`` (NaN, a score that does not apply, is left out) and
+    answer ``v_1..v_N``::
+
+        mean@N = mean_j x_j
+        best@N = max_j x_j
+        maj@N  = mean of x_j over the responses j that give the most frequent answer
+                 (a tie goes to the answer given first, as verl's)
+
+    Each is averaged over the source's prompts and logged as ``val/<source>/<score>/mean@N`` (and ``best@N``,
+    ``maj@N``); N is the prompt's response count. Prompts with one response add nothing.
+
+    Args:
+        sources: each row's data source.
+        prompt_ids: each row's prompt; rows with the same id are the responses to one prompt.
+        scores: score name -> each row's value.
+        votes: each row's answer for the majority vote.
+
+    Returns:
+        The metrics, ``{}`` when no prompt has more than one response.
+    """
+    rows_of: dict[tuple[str, int], list[int]] = {}
+    for i, key in enumerate(zip(sources, prompt_ids)):
+        rows_of.setdefault(key, []).append(i)
+    per_prompt: dict[str, list[float]] = {}
+    for (source, _), rows in rows_of.items():
+        if len(rows) < 2:
+            continue
+        n = len(rows)
+        counts: dict[Hashable, int] = {}
+        for i in rows:  # insertion order: the first answer given wins a tie
+            counts[votes[i]] = counts.get(votes[i], 0) + 1
+        majority = max(counts, key=counts.__getitem__)
+        for name, values in scores.items():
+            xs = [values[i] for i in rows if not math.isnan(values[i])]
+            if not xs:
+                continue
+            voted = [values[i] for i in rows if votes[i] == majority and not math.isnan(values[i])]
+            for view, value in (
+                ("mean", sum(xs) / len(xs)),
+                ("best", max(xs)),
+                ("maj", sum(voted) / len(voted) if voted else math.nan),
+            ):
+                if not math.isnan(value):
+                    per_prompt.setdefault(f"val/{source}/{name}/{view}@{n}", []).append(value)
+    return {key: sum(values) / len(values) for key, values in sorted(per_prompt.items())}
 
 
 def samples(batch: Batch, step: int, count: int) -> list[ValidationSample]:
