@@ -26,6 +26,7 @@ configure instead.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import subprocess
@@ -88,6 +89,29 @@ def _to_pid1(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)  # docker stop: SIGTERM to PID 1, which forwards it to the child's group
 
 
+def _descendants(pid: int) -> list[int]:
+    return [d for c in _children(pid) for d in (c, *_descendants(c))]
+
+
+def _gcs_log_dir(root: int) -> Path:
+    """The log directory of the run's gcs_server (its --log_dir), found among ``root``'s descendants."""
+    for pid in _descendants(root):
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if Path(args[0]).name == "gcs_server":
+                return Path(next(a for a in args if a.startswith("--log_dir=")).split("=", 1)[1])
+    raise AssertionError("the run's gcs_server was not found")
+
+
+def _gcs_sigterm_time(logs: Path) -> float | None:
+    """When the GCS logged that it received SIGTERM (local time, as the file's mtime), or None."""
+    for line in (logs / "gcs_server.out").read_text().splitlines():
+        if "received SIGTERM" in line:  # [2026-12-05 21:48:24,087 I 13097 13097] (gcs_server) ...
+            stamp = datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    return None
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
 
@@ -118,6 +142,7 @@ def test_sigterm_to_the_whole_job_saves_and_exits_zero(way, quickstart_assets, t
                 assert proc.poll() is None, log.read_text()[-5000:]
                 assert time.monotonic() < deadline, "no step finished in time"
                 time.sleep(0.5)
+            logs = _gcs_log_dir(proc.pid)
             WAYS[way](proc)
             proc.wait(timeout=300)
         finally:
@@ -130,6 +155,12 @@ def test_sigterm_to_the_whole_job_saves_and_exits_zero(way, quickstart_assets, t
     assert last < MAX_STEPS
     assert (experiment_dir(out) / "checkpoints" / f"global_step_{last}" / "COMPLETE").is_file(), output[-6000:]
     assert "stop requested" in output
+    # Ray gives a driver 60 s to reach a GCS that died, so on this machine a quick step and save could finish
+    # even after the signal had killed Ray's daemons (it did, in some runs, before the split); a GPU step and a
+    # real model's save take longer. So: the GCS must get its SIGTERM only from the shutdown after the save.
+    complete = (experiment_dir(out) / "checkpoints" / f"global_step_{last}" / "COMPLETE").stat().st_mtime
+    stopped = _gcs_sigterm_time(logs)
+    assert stopped is None or stopped > complete, "the signal reached Ray's GCS before the checkpoint was saved"
 
 
 @pytest.mark.e2e
