@@ -93,13 +93,14 @@ NOT_FINGERPRINTED = (
     "worker.reward.reward_model.num_cpus", "worker.reward.reward_model.micro_batch_size",
     "worker.reward.reward_model.cpu_kvcache_space_gb", "worker.reward.reward_model.gpu_memory_utilization",
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.device",
-    # What code may run, and the endpoint's and the sandbox's guards against misbehaving agents and rewards.
+    # What code may run, the endpoint's and the sandbox's guards against misbehaving agents and rewards, and the
+    # reward processes' environment (API keys, masked as *** wherever the config is written, so never compared).
     "worker.actor.model.trust_remote_code", "worker.critic.model.trust_remote_code",
     "worker.rollout.agent_options.host", "worker.rollout.agent_options.port",
     "worker.rollout.agent_options.max_images_per_call", "worker.rollout.agent_options.max_image_pixels",
     "worker.rollout.agent_options.max_call_pixels", "worker.rollout.agent_options.max_connections",
     "worker.rollout.agent_options.header_timeout", "worker.rollout.agent_options.body_timeout",
-    "worker.reward.memory_limit_mb", "trainer.warn_unauthenticated_ray",
+    "worker.reward.memory_limit_mb", "worker.reward.env", "trainer.warn_unauthenticated_ray",
     # What is validated, logged, printed or watched; the agent's hooks only look on.
     "data.val_files", "data.val_batch_size", "worker.rollout.val_override_config", "worker.rollout.disable_log_stats",
     "worker.rollout.disable_tqdm", "worker.rollout.agent_hooks",
