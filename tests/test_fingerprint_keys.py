@@ -88,6 +88,7 @@ CHANGES_ONLY_HOW = [
     ("worker.actor.fsdp.enable_cpu_offload", "true"),
     ("worker.actor.micro_batch_size_per_device_for_update", "1"),
     ("worker.rollout.cpu_kvcache_space_gb", "2"),
+    ("worker.rollout.multi_turn.tool_processes", "0"),
     ("trainer.step_timeout_s", "60"),
     ("trainer.save_limit", "2"),
     ("trainer.max_steps", "200"),

@@ -88,6 +88,7 @@ NOT_FINGERPRINTED = (
     "worker.rollout.max_model_len", "worker.rollout.max_num_batched_tokens", "worker.rollout.calculate_log_probs",
     "worker.rollout.cpu_kvcache_space_gb", "worker.rollout.free_cache_engine", "worker.rollout.resync_bucket_mb",
     "worker.rollout.agent_options.max_concurrency", "worker.rollout.async_rl.weight_transfer",
+    "worker.rollout.multi_turn.tool_processes",
     "worker.reward.num_cpus", "worker.reward.num_workers",
     "worker.reward.reward_model.placement", "worker.reward.reward_model.num_gpus",
     "worker.reward.reward_model.num_cpus", "worker.reward.reward_model.micro_batch_size",
