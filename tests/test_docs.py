@@ -111,3 +111,11 @@ def test_no_dated_narrative_outside_the_performance_page_and_the_notes(page):
         pytest.skip("measurements carry their dates here")
     found = [m.group(0) for m in DATED.finditer((REPO / page).read_text())]
     assert not found, f"{page}: dated narrative {found}; move measurements to docs/performance.md"
+
+
+def test_the_reliability_guide_lists_every_fault_test():
+    # The fault suite's table is the one place a reader learns what each fault test injects; a new file under
+    # tests/faults/ that it does not name is a fault nobody is told about.
+    guide = (REPO / "docs/guides/reliability.md").read_text()
+    missing = [p.name for p in sorted((REPO / "tests/faults").glob("test_*.py")) if f"`{p.name}`" not in guide]
+    assert not missing, f"docs/guides/reliability.md's fault table does not name {missing}"
