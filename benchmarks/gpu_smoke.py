@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     batch.old_log_probs = old_log_probs
     # Before the first update the reference model is the actor, so its log-probs are the old ones.
     batch.ref_log_probs = old_log_probs.clone()
+    # The engine's log-probs that the rollout correction (on by default in bf16) and the decoupled loss weigh by:
+    # the old ones with a bf16-sized mismatch.
+    batch.rollout_log_probs = old_log_probs + 1e-2 * torch.randn(old_log_probs.shape, generator=generator)
     batch.advantages = torch.randn(batch.responses.shape, generator=generator) * batch.response_mask
     optimizer = adamw(model, actor.optim)
     for _ in range(args.warmup):

@@ -54,6 +54,12 @@ def fixed_batch(config, model, processor):
         multi_turn(dataset[1], 1, 0, [(tokens(2), 1), (tokens(2), 0), (tokens(1), 1)]),
         Trajectory.single_turn(dataset[1], 1, 1, tokens(3), "", 1.0),
     ]
+    # The engine's log-probs travel on the trajectories (a worker rebuilds its rows from them), for a config whose
+    # plan runs a rollout correction (calculate_log_probs=true turns truncation on) or the decoupled loss.
+    trajectories = [
+        dataclasses.replace(t, log_probs=(-3.0 * torch.rand(len(t.token_ids), generator=gen)).tolist())
+        for t in trajectories
+    ]
     batch = to_batch(
         trajectories,
         max_prompt_length=config.data.max_prompt_length,
