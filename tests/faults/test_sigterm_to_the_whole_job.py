@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics
+from helpers.sigterm_run import wait_for_first_step
 
 MAX_STEPS = 200
 
@@ -136,12 +137,7 @@ def test_sigterm_to_the_whole_job_saves_and_exits_zero(way, quickstart_assets, t
             command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            metrics = experiment_dir(out) / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while not (metrics.is_file() and metrics.read_text().strip()):
-                assert proc.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, "no step finished in time"
-                time.sleep(0.5)
+            wait_for_first_step(proc, out, log)
             logs = _gcs_log_dir(proc.pid)
             WAYS[way](proc)
             proc.wait(timeout=300)
@@ -177,12 +173,7 @@ def test_a_driver_killed_with_sigkill_leaves_no_process_behind(quickstart_assets
             command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            metrics = experiment_dir(out) / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while not (metrics.is_file() and metrics.read_text().strip()):
-                assert proc.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, "no step finished in time"
-                time.sleep(0.5)
+            wait_for_first_step(proc, out, log)
             driver_sessions = {pid for pid in _children(proc.pid) if _session_members(pid)}
             left = _running(driver_sessions)
             assert len(left) > 3, f"the run's processes were found: {left}"  # the driver, gcs, raylet, workers

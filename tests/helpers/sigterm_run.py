@@ -33,6 +33,17 @@ class SigtermRun:
     """The run's stdout and stderr together."""
 
 
+def wait_for_first_step(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 300) -> None:
+    """Until the run under ``out`` has logged its first step: a signal before then would stop a run that has
+    nothing to save. Fails with the run's output if it ends first, or after ``timeout`` seconds."""
+    metrics = experiment_dir(out) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None, log.read_text()[-5000:]
+        assert time.monotonic() < deadline, "no step finished in time"
+        time.sleep(0.5)
+
+
 def sigterm_run(quickstart_assets, tmp: Path) -> SigtermRun:
     out = tmp / "outputs"
     overrides = [
@@ -48,12 +59,7 @@ def sigterm_run(quickstart_assets, tmp: Path) -> SigtermRun:
     with log.open("w") as sink:  # a file, not a pipe: Ray's output would fill a pipe nobody reads yet
         proc = subprocess.Popen(["bash", str(SCRIPT), *overrides], env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
-            metrics = experiment_dir(out) / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while not (metrics.is_file() and metrics.read_text().strip()):
-                assert proc.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, "no step finished in time"
-                time.sleep(0.5)
+            wait_for_first_step(proc, out, log)
             os.kill(proc.pid, signal.SIGTERM)  # the shell's pid, as a scheduler sends it
             proc.wait(timeout=300)
         finally:
