@@ -126,15 +126,19 @@ def run_epochs(
         for mini in batch.split(samples_per_update):
             total, world = global_weight(mini.response_mask, mode, mini.rollout_shares)
             optimizer.zero_grad(set_to_none=True)
+            # Only when the correction can drop tokens: counting them reads each micro-batch's weight back from
+            # the device, a sync that the plain update does not pay.
+            count_kept = mask_may_shrink and mode is LossAvgMode.token_mean
             kept = torch.zeros((), dtype=torch.float64)
             for rows in batching.groups(mini):
                 micro = mini.select(rows)
                 loss, mask = micro_loss(micro, rows, sums)
                 device = loss.device
                 weight = algos.aggregation_weight(mask, mode, micro.rollout_shares)
-                kept += weight.detach().double().cpu()
+                if count_kept:
+                    kept += weight.detach().double().cpu()
                 (loss * (world * weight / total.to(device))).backward()
-            if mask_may_shrink and mode is LossAvgMode.token_mean:
+            if count_kept:
                 _rescale_grads(model, total, kept)
             grad_norm, stepped = clip_and_step(model, optimizer, max_grad_norm)
             skipped += not stepped
