@@ -190,7 +190,8 @@ def part_record(args, result: Path) -> None:
     from vlmrl.rollout.engine import Sampling
     from vlmrl.rollout.sampling import sampling_mask
     from vlmrl.validate import load_config
-    from vlmrl.workers.rollout import RolloutWorker, build_agent_loop
+    from vlmrl.workers.rollout import RolloutWorker
+    from vlmrl.workflows.multi_turn import build_agent_loop
 
     config = load_config([f"config={CONFIG}", *overrides(args, result.parent / "record-run")])
     plan = resolve(config, detect_cluster())
@@ -214,7 +215,7 @@ def part_record(args, result: Path) -> None:
         ignore_eos=rollout.ignore_eos,
     )  # fmt: skip
     recording = Recording(worker.engine)
-    loop = build_agent_loop(config, recording, processor, worker.agent.pad_ids)
+    loop = build_agent_loop(config, recording, processor, worker.pad_ids)
     start = time.perf_counter()
     trajectories, timings = loop.run(prompts, list(range(len(prompts))), sampling)
     seconds = time.perf_counter() - start

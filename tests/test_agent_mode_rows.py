@@ -1,4 +1,4 @@
-"""An external agent's calls become rows on a worker (``vlmrl.workers.agents.ExternalAgents``), on the real
+"""An external agent's calls become rows on a worker (``vlmrl.workflows.openai_agent.OpenAIAgent``), on the real
 tiny engine and endpoint, in this process.
 
 * An append-only chat template: the demo agent's two calls with the picture make one row per rollout,
@@ -27,9 +27,9 @@ from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.sampling import sampling_mask
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
-from vlmrl.workers.agents import AgentRolloutError, ExternalAgents
+from vlmrl.workflows.openai_agent import AgentRolloutError, OpenAIAgent
 from vlmrl.user_code import load_object
-from vlmrl.workers.rollout import family_positions
+from vlmrl.workflows.rendering import family_positions
 
 
 DEMO = "config=examples/openai_agent/config.yaml"
@@ -74,9 +74,10 @@ def _run(parts, *overrides, sampling=GREEDY, rows=(0, 1), template=None):
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, override_chat_template=template))
     records = load_object("tests/fixtures/agents/recording_hooks.py:RECORDS", "test")  # the hook's own list
     records.clear()
-    agents = ExternalAgents(config, resolve(config, CPU), engine, processor, positions)
+    agents = OpenAIAgent(config, resolve(config, CPU), engine, processor, positions)
     try:
-        trajectories, metrics = agents.run([data[i] for i in rows], [10 + i for i in rows], sampling)
+        trajectories, stats = agents.rollout([data[i] for i in rows], [10 + i for i in rows], sampling)
+        metrics = stats.counts
     finally:
         agents.close()
     return trajectories, metrics, {r.rollout_id: r for r in records}

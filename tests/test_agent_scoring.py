@@ -101,7 +101,7 @@ def test_made_up_tool_names_are_a_rate_not_metric_keys_and_the_mismatch_rate_is_
 
 
 def test_external_agent_rows_log_only_the_metrics_that_mean_something_for_them():
-    # Rows as the endpoint path makes them (vlmrl.workers.agents): recorded calls aggregated into rows, each row
+    # Rows as the endpoint path makes them (vlmrl.workflows.openai_agent): recorded calls aggregated into rows, each row
     # a Trajectory with its rollout's id. vlmrl ran no tool for them and did not decide when they stopped (a
     # row's stop reason is its last call's finish reason), so no tool, stop-reason or render-mismatch key.
     from vlmrl.rollout.traces import Call, aggregate

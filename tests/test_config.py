@@ -1095,7 +1095,7 @@ def test_tensor_parallel_with_multi_turn_rollouts_is_refused():
         "worker.rollout.multi_turn.enable=true",
     )  # fmt: skip
     assert [p for p in problems if p.startswith(
-        "worker.rollout.tensor_parallel_size=2 with worker.rollout.multi_turn.enable=true: the agent loop"
+        "worker.rollout.tensor_parallel_size=2 with worker.rollout.workflow=multi_turn: the agent loop"
     )], problems
 
 

@@ -31,6 +31,15 @@ Agents (``worker.rollout.agent``) and their hooks (``worker.rollout.agent_hooks`
 - ``AgentStatus``: how a rollout ended: ok, raised, timeout, died or no_call.
 - ``Call``: one LLM call the endpoint recorded: prompt and response token ids, log-probs, policy version.
 
+Workflows (``worker.rollout.workflow=path/to/file.py:Class``, guides/workflows):
+
+- ``Workflow``: the base class of a workflow; its ``async def run(self, ctx, row)`` plays one sample of a row.
+- ``Context``: what ``run`` gets: ``generate`` (token-in/token-out), ``episode``, ``add_generation``, ``add_user``,
+  ``render``, the processor, the sampling settings, the sample's seed, the tools.
+- ``Generation``: one sample ``ctx.generate`` returns: token ids, text, log-probs, versions, finish reason.
+- ``Episode``: the trajectory ``run`` returns (``reward`` and ``turn_rewards`` to give rewards).
+- ``Credit``: a workflow's ``credit``: per_row, or per_rollout when ``run`` returns several rows of one rollout.
+
 Environments (``worker.rollout.multi_turn.env``) are plain classes with ``reset`` and ``step`` and need nothing
 from here.
 """
@@ -53,6 +62,11 @@ _HOMES = {
     "RolloutRecord": "vlmrl.rollout.agent_runner",
     "AgentStatus": "vlmrl.rollout.agent_runner",
     "Call": "vlmrl.rollout.traces",
+    "Workflow": "vlmrl.rollout.workflow",
+    "Context": "vlmrl.rollout.workflow",
+    "Generation": "vlmrl.rollout.workflow",
+    "Episode": "vlmrl.rollout.episode",
+    "Credit": "vlmrl.rollout.kind",
 }
 """Each public name and the module that defines it."""
 

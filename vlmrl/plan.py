@@ -596,13 +596,17 @@ def _rollouts_text(config: Config) -> str:
             f"{opts.host}:{port} of each worker; {opts.max_concurrency} at once per worker, timeout {opts.timeout:g} s, "
             f"a failed rollout: {opts.on_failure.value}"
         )
-    if mt.enable:
+    if mt.enable or rollout.workflow == "multi_turn":
         what = f"tools {', '.join(mt.tools)}" if mt.tools else f"environment {mt.env}"
         per_turn = f", {mt.max_tokens_per_turn} tokens per turn" if mt.max_tokens_per_turn else ""
         return (
             f"rollouts: multi-turn, up to {mt.max_turns} turns{per_turn}, calls parsed as {mt.format}, {what} "
             f"(at most {mt.max_parallel_calls} calls at once, timeout {mt.tool_timeout:g} s)"
         )
+    if ":" in rollout.workflow:
+        tools = f", tools {', '.join(mt.tools)}" if mt.tools else ""
+        limit = f"{rollout.workflow_timeout:g} s" if rollout.workflow_timeout is not None else "none"
+        return f"rollouts: workflow {rollout.workflow}, run once per sample (timeout {limit}){tools}"
     return "rollouts: one response per sample"
 
 

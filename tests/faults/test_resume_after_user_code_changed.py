@@ -52,7 +52,7 @@ def test_the_schema_marks_every_key_that_names_user_code():
         "data.format_prompt", "worker.reward.reward_function", "worker.reward.reward_model.prompt_template",
         "worker.rollout.multi_turn.tools", "worker.rollout.multi_turn.env", "worker.rollout.multi_turn.format",
         "worker.rollout.agent", "worker.rollout.agent_hooks.on_enqueue", "worker.rollout.agent_hooks.on_succeeded",
-        "worker.rollout.agent_hooks.on_failed",
+        "worker.rollout.agent_hooks.on_failed", "worker.rollout.workflow",
     }  # fmt: skip
 
 

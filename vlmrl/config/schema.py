@@ -624,6 +624,16 @@ class RolloutConfig:
     buckets of about this many MB (one all-gather each); a resync's extra memory is about two buckets."""
     val_override_config: ValOverrideConfig = field(default_factory=ValOverrideConfig)
     """Sampling at validation: one greedy sample per prompt unless these say otherwise."""
+    workflow: str = field(default="single_turn", metadata=USER_CODE)
+    """vlmrl addition (AReaL's workflow, Agent Lightning's rollout): how a row becomes trajectories. Built-ins:
+    single_turn (one response per sample), multi_turn (tools or an environment: multi_turn.*; multi_turn.enable=true
+    chooses it), openai_agent (an agent over an OpenAI-compatible endpoint: agent=... chooses it); or a class,
+    path/to/file.py:Class, whose async run(ctx, row) plays one sample with ctx.generate (guides/workflows)."""
+    workflow_kwargs: dict[str, Any] = field(default_factory=dict)
+    """With a workflow class: keyword arguments of its constructor."""
+    workflow_timeout: float | None = 600.0
+    """With a workflow class: seconds one run(ctx, row) may take; past it the sample fails as data.on_bad_sample
+    says (error: the run stops naming the row; skip: dropped, counted). null: no limit."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """vlmrl addition: tool-using and environment rollouts over several turns."""
     agent: str | None = field(default=None, metadata=USER_CODE)

@@ -33,6 +33,8 @@ from vlmrl.driver.validation import Validator
 from vlmrl.train.actor import UpdateSettings
 from vlmrl.train.critic import CriticSettings
 from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.kind import Credit
+from vlmrl import workflows
 from vlmrl.workers.group import WorkerGroup
 
 
@@ -109,8 +111,12 @@ class TrainingLoop:
                 config.trainer.val_generations_to_log,
                 tracker=tracker,
             )
-        # With an external agent a rollout may span rows: advantages per rollout, computed by the sampler.
-        self.advantages = AdvantageStage(config.algorithm, plan.kl_in_reward, per_rollout=bool(rollout.agent))
+        # The rollout kind, chosen once: whether a rollout may span rows (advantages per rollout), and whether a
+        # prompt's rows vary (then the sampler computes the advantages and trims the rows to mini-batches).
+        self.kind = workflows.properties(config)
+        self.advantages = AdvantageStage(
+            config.algorithm, plan.kl_in_reward, per_rollout=self.kind.credit is Credit.per_rollout
+        )
         if rollout.async_rl.enable:  # groups admitted ahead under a staleness bound, scored while the trainer trains
             self.sampler = AsyncRolloutSampler(
                 config, workers, self.scorer, self.train_sampling, self._group_ids, train_loader.dataset.sample
@@ -118,7 +124,7 @@ class TrainingLoop:
         else:
             self.sampler = RolloutSampler(
                 config, workers, self.scorer, self.train_sampling, self._group_ids, self.advantages,
-                plan.samples_per_update,
+                plan.samples_per_update, variable_rows=self.kind.variable_rows,
             )  # fmt: skip
         self.total_steps = planned_steps(self.steps_per_epoch, config.trainer.total_epochs, config.trainer.max_steps)
         # The learning-rate schedules span the run's training steps (EasyR1's optim.training_steps).

@@ -58,6 +58,7 @@ FINGERPRINTED = (
     "worker.critic.loss_avg_mode", "worker.critic.ppo_epochs", "worker.critic.model", "worker.critic.optim",
     "worker.rollout.n", "worker.rollout.temperature", "worker.rollout.top_p", "worker.rollout.top_k",
     "worker.rollout.seed", "worker.rollout.limit_images", "worker.rollout.ignore_eos",
+    "worker.rollout.workflow", "worker.rollout.workflow_kwargs", "worker.rollout.workflow_timeout",
     "worker.rollout.multi_turn", "worker.rollout.agent", "worker.rollout.agent_options.timeout",
     "worker.rollout.agent_options.on_failure", "worker.rollout.agent_options.max_tokens_per_call",
     "worker.rollout.async_rl",

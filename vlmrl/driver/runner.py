@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vlmrl import workflows
 from vlmrl.config import Config, RewardModelPlacement, to_dict
 from vlmrl.config.redact import mask_text, mask_values
 from vlmrl.driver.console import ConsoleFeed, Progress
@@ -67,9 +68,10 @@ def _dataset(config: Config, files: str, processor) -> RLHFDataset:
 
 
 def tool_schemas(config: Config) -> list[dict]:
-    """The function schemas every prompt shows (multi-turn with tools), in the order of the tools key."""
+    """The function schemas every prompt shows (tools configured for a kind that calls them: multi_turn or a
+    workflow class), in the order of the tools key."""
     multi_turn = config.worker.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.tools):
+    if not multi_turn.tools or workflows.workflow_name(config.worker.rollout) in ("single_turn", "openai_agent"):
         return []
     from vlmrl.rollout.tools import load_tools
 

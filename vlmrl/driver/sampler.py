@@ -62,11 +62,13 @@ class RolloutSampler:
         new_group_ids: Callable[[int], list[int]],
         advantages: AdvantageStage | None = None,
         rows_per_update: int = 1,
+        variable_rows: bool = False,
     ):
-        """``advantages`` and ``rows_per_update`` (the rows of one global mini-batch) serve agent rollouts, whose
+        """``variable_rows``: the rollout kind's (``RolloutKind.variable_rows``): a prompt may give other than n
+        rows. ``advantages`` and ``rows_per_update`` (the rows of one global mini-batch) serve such kinds, whose
         advantages come before the passes and whose rows are trimmed to whole mini-batches."""
         self.algo, self.workers, self.scorer, self.sampling = config.algorithm, workers, scorer, sampling
-        self.agent = bool(config.worker.rollout.agent)
+        self.variable_rows = variable_rows
         self.advantage_stage, self.rows_per_update = advantages, rows_per_update
         self.new_group_ids = new_group_ids
         self.batch_prompts = config.data.rollout_batch_size
@@ -79,8 +81,8 @@ class RolloutSampler:
     def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
         """The step's batch from ``prompts`` (and, with online filtering, from ``more_prompts()`` as needed)."""
         prompt_of: dict[int, PromptSample] = {}
-        if self.agent:
-            return self._agent_rollouts(prompts, prompt_of)
+        if self.variable_rows:
+            return self._varying_rows(prompts, prompt_of)
         if self.algo.online_filtering:
             batch, filtered = self._filtered(prompts, more_prompts, prompt_of)
             reward_job = None
@@ -127,8 +129,9 @@ class RolloutSampler:
         ]
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
-    def _agent_rollouts(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Rollout:
-        """External agents' rollouts: scored and given advantages per rollout, then trimmed to whole mini-batches.
+    def _varying_rows(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Rollout:
+        """Rollouts whose rows vary (an agent's calls, a workflow's dropped samples): scored and given advantages
+        per rollout, then trimmed to whole mini-batches.
 
         A rollout makes any number of rows, so the step's row count is not a multiple of the mini-batch. Rows
         are dropped until it is (or, with fewer rows than one mini-batch, until the workers get equal shares),
@@ -149,8 +152,8 @@ class RolloutSampler:
         )
         if not kept:
             raise NoAgentRowsError(
-                f"the agents' rollouts made {len(batch)} row(s), fewer than the {world} workers that train; "
-                f"rollouts by status: { {k[len('agent/rollouts/'):]: int(v) for k, v in metrics.items() if k.startswith('agent/rollouts/')} }"
+                f"the rollouts made {len(batch)} row(s), fewer than the {world} workers that train; their counts: "
+                f"{ {k: int(v) for k, v in metrics.items()} }"
             )
         metrics["trace/trimmed_rows"] = float(dropped)
         metrics["trace/rows_trained"] = float(len(kept))

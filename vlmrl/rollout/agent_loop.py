@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 
-from vlmrl.records import Media, PromptSample, Trajectory
+from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout import envs
 from vlmrl.rollout.engine import Engine, EngineRequest, Sampling, image_content_id
-from vlmrl.rollout.observations import ConversationRenderer, Observation, split_images
-from vlmrl.rollout.sampling import group_seed, media_offsets
+from vlmrl.rollout.episode import Episode
+from vlmrl.rollout.observations import ConversationRenderer, split_images
+from vlmrl.rollout.sampling import group_seed
 from vlmrl.rollout.tool_parsers import ParsedTurn
 from vlmrl.rollout.tools import CallOutcome, ToolContext, ToolResult, ToolRunner, ToolStatus
 
@@ -71,77 +72,12 @@ def turn_seed(first_seed: int, turn: int) -> int:
 
 
 @dataclass
-class _Conversation:
-    """One trajectory while its turns are being played."""
+class _Conversation(Episode):
+    """One trajectory while its turns are played, with what its tools and environment keep."""
 
-    prompt: PromptSample
-    group_id: int
-    index: int
-    raw: list[int]
-    ids: list[int]
-    prompt_length: int
-    mask: list[int]
-    log_probs: list[float]
-    versions: list[int]
-    mm_chunks: list[dict[str, torch.Tensor]]
-    images: list[Any]
-    """Every image shown so far, the prompt's first: what tools get in their context."""
-    image_ids: list[str]
-    """The content id of each image the engine is sent (``multi_modal_data``'s, in its order)."""
-    new_images: list[Any] = field(default_factory=list)
-    turn_ends: list[int] = field(default_factory=list)
-    turn_rewards: list[float] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     env: Any = None
-    last_text: str = ""
-    stop_reason: str = ""
-
-    @property
-    def sample_id(self) -> str:
-        return f"{self.group_id}:{self.index}"
-
-    def used(self) -> int:
-        return len(self.ids) - self.prompt_length
-
-    def multi_modal_data(self) -> dict[str, list]:
-        data = self.prompt.multi_modal_data
-        if self.new_images:
-            data = {**data, "image": [*data.get("image", []), *self.new_images]}
-        return data
-
-    def add_turn(self, token_ids: list[int], log_probs: list[float] | None, version: int, text: str) -> None:
-        self.raw += token_ids
-        self.ids += token_ids
-        self.mask += [1] * len(token_ids)
-        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
-        self.versions += [version] * len(token_ids)
-        self.turn_ends.append(len(self.ids) - 1)
-        self.turn_rewards.append(0.0)
-        self.messages.append({"role": "assistant", "content": text})
-        self.last_text = text
-
-    def add_context(self, token_ids: list[int], raw_ids: list[int] | None = None) -> None:
-        """Tokens the model did not sample (``raw_ids``: the engine's view of them, when it differs)."""
-        self.raw += token_ids if raw_ids is None else raw_ids
-        self.ids += token_ids
-        self.mask += [0] * len(token_ids)
-        self.log_probs += [0.0] * len(token_ids)
-        self.versions += [-1] * len(token_ids)
-
-    def add_observation(self, obs: Observation, messages: list[dict]) -> None:
-        self.add_context(obs.ids, obs.raw_ids)
-        if obs.images:
-            self.mm_chunks.append(obs.mm_inputs)
-            self.images += obs.images
-            self.new_images += obs.images
-            self.image_ids += obs.image_ids
-        self.messages += messages
-
-    def row(self) -> dict[str, Any]:
-        p = self.prompt
-        return {**p.extra, "ground_truth": p.ground_truth, "data_source": p.data_source, "prompt": p.prompt_text}
 
 
 @dataclass
@@ -232,20 +168,7 @@ class AgentLoop:
         return trajectories, timings
 
     def _start(self, prompt: PromptSample, group_id: int, index: int, image_ids: list[str]) -> _Conversation:
-        return _Conversation(
-            prompt=prompt,
-            group_id=group_id,
-            index=index,
-            raw=list(prompt.raw_prompt_ids),
-            ids=list(prompt.input_ids),
-            prompt_length=len(prompt.input_ids),
-            mask=[0] * len(prompt.input_ids),
-            log_probs=[0.0] * len(prompt.input_ids),
-            versions=[-1] * len(prompt.input_ids),
-            mm_chunks=[prompt.mm_inputs] if prompt.mm_inputs else [],
-            images=list(prompt.images),
-            image_ids=list(image_ids),
-        )
+        return _Conversation.start(prompt, group_id, index, image_ids)
 
     def _request(self, c: _Conversation, turn: int, sampling: Sampling) -> EngineRequest:
         left = self.limits.max_response_length - c.used()
@@ -413,43 +336,17 @@ class AgentLoop:
     # ------------------------------------------------------------------ the record
 
     def _finish(self, c: _Conversation, temperature: float, want_log_probs: bool) -> Trajectory:
-        mm_inputs = _merge(c.mm_chunks)
-        positions_input = {**mm_inputs, **{k: v for k, v in c.prompt.mm_inputs.items() if k == "second_per_grid_ts"}}
-        position_ids = self.positions(c.ids, positions_input)
-        image_offsets = media_offsets(c.ids, self.pad_ids[:1])
-        video_offsets = media_offsets(c.ids, self.pad_ids[1:])
-        if len(video_offsets) != len(c.prompt.videos):  # Qwen3-VL writes a video as one run per frame
-            video_offsets = [-1] * len(c.prompt.videos)
-        media = [Media("image", o, image) for o, image in zip(image_offsets, c.images, strict=True)]
-        media += [Media("video", o, video) for o, video in zip(video_offsets, c.prompt.videos)]
-        return Trajectory(
-            token_ids=c.ids,
-            prompt_length=c.prompt_length,
-            loss_mask=c.mask,
-            position_ids=position_ids,
-            group_id=c.group_id,
-            sample_id=c.sample_id,
+        return c.to_trajectory(
+            positions=self.positions,
+            pad_ids=self.pad_ids,
             temperature=temperature,
-            log_probs=c.log_probs if want_log_probs else None,
-            versions=c.versions,
-            mm_inputs=mm_inputs,
-            media=media,
-            response_text=c.last_text,
-            prompt_text=c.prompt.prompt_text,
-            ground_truth=c.prompt.ground_truth,
-            data_source=c.prompt.data_source,
-            row_index=c.prompt.index,
-            extra=c.prompt.extra,
-            turn_rewards=c.turn_rewards,
-            turn_ends=c.turn_ends,
-            messages=c.messages,
+            want_log_probs=want_log_probs,
             tool_calls=c.calls,
-            stop_reason=c.stop_reason,
-            prompt_media=len(c.prompt.images) + len(c.prompt.videos),
             # One re-render per group (its first trajectory): the re-render and re-tokenisation of a whole
             # conversation cost about as much as rendering all of its observations, and the rate over the
             # first trajectories estimates the rate over all of them.
             render_mismatch=self._mismatch(c) if c.index == 0 else None,
+            conversation=True,
         )
 
     def _mismatch(self, c: _Conversation) -> bool:
@@ -469,11 +366,6 @@ class AgentLoop:
             return True
         full = self.tokenizer.encode(prompt_text[: len(prompt_text) - len(gen)] + conversation, add_special_tokens=False)
         return full[: len(c.raw)] != c.raw
-
-
-def _merge(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    keys = dict.fromkeys(k for chunk in chunks for k in chunk)
-    return {k: torch.cat([chunk[k] for chunk in chunks if k in chunk], dim=0) for k in keys}
 
 
 def _drop_image_items(messages: list[dict], keep: int) -> list[dict]:

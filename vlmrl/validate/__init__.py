@@ -25,6 +25,7 @@ from vlmrl.config import Config, ConfigError
 from vlmrl.config.loading import parse
 from vlmrl.plan import Cluster, detect_cluster
 from vlmrl.validate.agents import external_agent_problems, multi_turn_problems
+from vlmrl.validate.workflow import workflow_problems
 from vlmrl.validate.async_rl import async_problems
 from vlmrl.validate.reward_model import reward_model_problems
 from vlmrl.validate.rollout_correction import rollout_correction_problems
@@ -87,6 +88,7 @@ def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str,
         *lora_problems(config),
         *device_problems(config, cluster),
         *validation_problems(config),
+        *workflow_problems(config),
         *multi_turn_problems(config),
         *external_agent_problems(config),
         *async_problems(config),

@@ -17,6 +17,7 @@ from vlmrl.rollout.agent_runner import HOOK_KEY, load_agent, load_hooks
 from vlmrl.rollout.tool_parsers import load_parser
 from vlmrl.rollout.tools import load_tools
 from vlmrl.user_code import UserCodeError, load_object
+from vlmrl.workflows import is_builtin, workflow_name
 
 P = "worker.rollout.multi_turn"
 
@@ -24,12 +25,19 @@ P = "worker.rollout.multi_turn"
 def multi_turn_problems(config: Config) -> list[str]:
     mt = config.worker.rollout.multi_turn
     problems: list[str] = []
-    if not mt.enable:
-        if mt.tools or mt.env:
-            problems.append(f"{P}.tools or {P}.env is set but {P}.enable=false; set {P}.enable=true to use them")
+    kind = workflow_name(config.worker.rollout)
+    if kind != "multi_turn":
+        if mt.env or (mt.tools and is_builtin(kind)):  # a workflow class may call tools; only the loop an env
+            problems.append(
+                f"{P}.tools or {P}.env is set but {P}.enable=false (the rollout is {kind}); set {P}.enable=true "
+                "(or worker.rollout.workflow=multi_turn) to use them"
+            )
         return problems
     if not mt.tools and not mt.env:
-        problems.append(f"{P}.enable=true with no {P}.tools and no {P}.env; name tools (path/to/file.py:function) or an env")
+        problems.append(
+            f"worker.rollout.workflow=multi_turn ({P}.enable=true) with no {P}.tools and no {P}.env; name tools "
+            "(path/to/file.py:function) or an env"
+        )
     if mt.tools and mt.env:
         problems.append(f"{P}.tools and {P}.env are both set; a rollout talks to tools or to an environment, pick one")
     for key, value, low in (
@@ -51,7 +59,7 @@ def multi_turn_problems(config: Config) -> list[str]:
         )
     if config.algorithm.adv_estimator is AdvantageEstimator.remax:
         problems.append(
-            f"algorithm.adv_estimator=remax with {P}.enable=true: ReMax's baseline is one greedy response, not a "
+            f"algorithm.adv_estimator=remax with multi-turn rollouts: ReMax's baseline is one greedy response, not a "
             "conversation; use grpo, rloo or reinforce_plus_plus"
         )
     if mt.tools:

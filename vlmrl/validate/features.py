@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from vlmrl.workflows import workflow_name
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator, LossAvgMode
 from vlmrl.config import AlgorithmConfig, Config, Device
 from vlmrl.plan import (
@@ -237,9 +238,9 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             "worker.hybrid_engine=false: vlmrl always runs the actor and its vLLM engine in the same worker "
             "(the weights move in process); set worker.hybrid_engine=true"
         )
-    if tp > 1 and rollout.multi_turn.enable:
+    if tp > 1 and workflow_name(rollout) == "multi_turn":
         problems.append(
-            f"worker.rollout.tensor_parallel_size={tp} with worker.rollout.multi_turn.enable=true: the agent loop "
+            f"worker.rollout.tensor_parallel_size={tp} with worker.rollout.workflow=multi_turn: the agent loop "
             "runs its tools in each worker, and the workers of a tensor-parallel engine must send it the same "
             "requests; set worker.rollout.tensor_parallel_size=1 for multi-turn rollouts"
         )

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from vlmrl.workflows import workflow_name
 from vlmrl.config import Config, RewardModelKind, RewardModelPlacement
 from vlmrl.plan import Cluster, device, world_size
 from vlmrl.reward.judging import JudgeTemplateError, compile_template, render_question, template_text
@@ -44,7 +45,7 @@ def _sample_input(config: Config, first: FirstRow) -> dict:
     rollout = config.worker.rollout
     if rollout.agent:
         x.update(rollout_id="0:0#0")
-    if rollout.multi_turn.enable:
+    if workflow_name(rollout) == "multi_turn":
         x.update(messages=[], num_turns=1, tool_calls=[], turn_rewards=[], stop_reason="done")
     return x
 

@@ -158,9 +158,6 @@ def _chunks(items: list, parts: int) -> list[list]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
-COUNT_PREFIXES = ("agent/", "trace/")
-"""Entries of a rollout call's timings that are counts (external agents' rollouts), not seconds."""
-
 # Per-worker metrics where the largest worker matters, not the mean: peaks, and the slowest worker's resync.
 _PEAK_METRICS = (
     "perf/max_memory_allocated_gb",
@@ -233,7 +230,7 @@ class WorkerGroup:
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the rollout calls' pieces since the last ``take_rollout_timings``."""
         self.rollout_counts: dict[str, float] = {}
-        """Agent rollouts' counts since the last ``take_rollout_counts``."""
+        """The rollout kinds' counts (``RolloutStats.counts``) since the last ``take_rollout_counts``."""
 
     def _wait_started(self, config: Config, servers: list | None = None) -> None:
         """Wait for every worker's constructor (models loaded, engine started) and every rollout server's engine,
@@ -366,20 +363,20 @@ class WorkerGroup:
                 trajectories.append(full)
                 if keep:
                     self._held_by(full).update(range(leader, leader + tp))
-        # Agent rollouts' counts (rollouts by status, calls, rows) come with the timings; they add up over workers.
-        for _, timings in results:
-            for key in [k for k in timings if k.startswith(COUNT_PREFIXES)]:
-                self.rollout_counts[key] = self.rollout_counts.get(key, 0.0) + timings.pop(key)
+        # The kinds' counts (agent rollouts by status, calls, rows; workflow samples dropped) add up over workers.
+        for _, stats in results:
+            for key, value in stats.counts.items():
+                self.rollout_counts[key] = self.rollout_counts.get(key, 0.0) + value
         if not trajectories:
             raise RuntimeError(
-                f"the rollouts of {len(prompts)} prompt(s) made no row to train on; agent rollouts by status: "
-                f"{ {k: int(v) for k, v in self.rollout_counts.items() if k.startswith('agent/rollouts/')} } (see "
+                f"the rollouts of {len(prompts)} prompt(s) made no row to train on; their counts: "
+                f"{ {k: int(v) for k, v in self.rollout_counts.items()} } (see "
                 "run.log for why each failed)"
             )
         batch = rollout_batch(trajectories, self.config, self.pad_token_id)
         # The slowest worker's pieces (the call waits for it), and the whole call as the driver saw it.
-        for key in results[0][1]:
-            slowest = max(timings[key] for _, timings in results)
+        for key in results[0][1].seconds:
+            slowest = max(stats.seconds[key] for _, stats in results)
             self.rollout_timings[key] = self.rollout_timings.get(key, 0.0) + slowest
         self.rollout_timings["driver_call"] = self.rollout_timings.get("driver_call", 0.0) + call_seconds
         return batch
@@ -392,7 +389,8 @@ class WorkerGroup:
         return timings
 
     def take_rollout_counts(self) -> dict[str, float]:
-        """Agent rollouts' counts since the last call, summed over the workers (``agent/*``, ``trace/*``)."""
+        """The rollout kinds' counts since the last call, summed over the workers (``agent/*``, ``trace/*``,
+        ``workflow/*``)."""
         counts, self.rollout_counts = self.rollout_counts, {}
         return counts
 

@@ -75,10 +75,9 @@ class HybridWorker:
             self.rollout = RolloutWorker(
                 config, plan, rank, self.trainer.tokenizer, self.trainer.allowed_tokens, self.trainer.processor
             )
-            paused = self.rollout.external.endpoint.paused if self.rollout.external else None
             self.weight_sync = WeightSync(
                 self.trainer.actor,
-                EngineSink(self.rollout.engine, paused),
+                EngineSink(self.rollout.engine, self.rollout.kind.paused),
                 self.rollout_dtype,
                 bucket_bytes=self.bucket_bytes,
                 transform=self.trainer.hf_weights if self.trainer.lora else None,
@@ -107,10 +106,10 @@ class HybridWorker:
 
     def generate(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling, keep: bool
-    ) -> tuple[list[Trajectory], dict[str, float]]:
+    ) -> tuple[list[Trajectory], RolloutStats]:
         """Sample; with ``keep`` the trainer holds the trajectories for this step's passes.
 
-        Returns them without pixels or media (the driver holds the prompts'), and the call's timings.
+        Returns them without pixels or media (the driver holds the prompts'), and the call's stats.
         """
         if self.rollout is None:
             raise RuntimeError("this worker has no engine: disaggregated, the rollout servers generate")
@@ -118,12 +117,12 @@ class HybridWorker:
         if on_gpu:
             self.gpu_peak_bytes = max(self.gpu_peak_bytes, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
-        trajectories, timings = self.rollout.generate(prompts, group_ids, sampling)
+        trajectories, stats = self.rollout.generate(prompts, group_ids, sampling)
         if on_gpu:  # vLLM allocates through torch in this process (sleep mode: a torch memory pool); not checked on a GPU
             self.rollout_gpu_peak_bytes = max(self.rollout_gpu_peak_bytes, torch.cuda.max_memory_allocated())
         if keep:
             self.trainer.hold(trajectories)
-        return [t.slim() for t in trajectories], timings
+        return [t.slim() for t in trajectories], stats
 
     def release(self) -> None:
         self.trainer.release()

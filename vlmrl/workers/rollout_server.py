@@ -45,6 +45,7 @@ from vlmrl.train.models import apply_overrides, load_processor, tokenizer_of
 from vlmrl.weight_sync.collective import Broadcast, GroupAddress, WeightGroup
 from vlmrl.weight_sync.object_store import WeightBuckets
 from vlmrl.workers.rollout import RolloutWorker
+from vlmrl import workflows
 
 ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 """The server's process environment: vLLM's engine core in the actor's own process (so ``load_weights`` hands
@@ -55,12 +56,10 @@ class RolloutServer:
     """An engine behind a loop thread; meant for ``ray.remote(RolloutServer).options(max_concurrency=...)``."""
 
     def __init__(self, config: Config, plan: Plan, rank: int = 0):
-        rollout = config.worker.rollout
-        if rollout.multi_turn.enable or rollout.agent:
-            raise ValueError(
-                "RolloutServer serves single-turn rollouts only; worker.rollout.multi_turn.enable and "
-                "worker.rollout.agent need the colocated worker"
-            )
+        kind = workflows.workflow_name(config.worker.rollout)
+        if kind != "single_turn":
+            raise ValueError(f"RolloutServer serves single_turn rollouts only; worker.rollout.workflow={kind} needs "
+                             "the colocated worker")  # fmt: skip
         if plan.tensor_parallel_size > 1:
             # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
             raise ValueError(

@@ -1,4 +1,4 @@
-"""The rollout role with an external agent (``worker.rollout.agent``): its endpoint, its runner, and rows.
+"""``openai_agent``: the user's agent (``worker.rollout.agent``) over an OpenAI-compatible endpoint, and its rows.
 
 Each worker serves its own engine to the agents it runs, over an
 OpenAI-compatible endpoint on loopback (``vlmrl.rollout.endpoint``), and runs
@@ -10,8 +10,8 @@ the actor, its positions from the model family's rotary scheme, and the
 rollout's id, so that the driver gives every row of a rollout one advantage.
 
 A rollout that failed (raised, timed out, died, made no call) is counted and
-left out, or fails the step (``agent_options.on_failure``). The counts travel
-back with the rollout's timings as ``agent/*`` and ``trace/*`` entries.
+left out, or fails the step (``agent_options.on_failure``). The counts
+(``agent/*``, ``trace/*``) travel back in the call's ``RolloutStats``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from vlmrl.rollout.agent_runner import AgentRunner, AgentStatus, AgentTask, Roll
 from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
 from vlmrl.rollout.endpoint_render import ChatRenderer
 from vlmrl.rollout.engine import Engine, Sampling
+from vlmrl.rollout.kind import Credit, RolloutKind, RolloutStats
 from vlmrl.rollout.sampling import group_seed
 from vlmrl.rollout.traces import Aggregated, TraceRow, aggregate
 
@@ -60,8 +61,19 @@ def task_fields(prompt: PromptSample) -> dict[str, Any]:
     }
 
 
-class ExternalAgents:
+class OpenAIAgent(RolloutKind):
     """The agent endpoint over this worker's engine and the runner that calls the user's agent against it."""
+
+    name = "openai_agent"
+    credit = Credit.per_rollout
+    variable_rows = True
+    serves_between_steps = True
+
+    @classmethod
+    def build(cls, config: Config, plan: Plan, engine: Engine, processor, pad_ids: tuple[int, ...]) -> OpenAIAgent:
+        from vlmrl.workflows.rendering import family_positions
+
+        return cls(config, plan, engine, processor, family_positions(config.worker.actor.model.model_path))
 
     def __init__(self, config: Config, plan: Plan, engine: Engine, processor, positions: Positions):
         data, rollout = config.data, config.worker.rollout
@@ -112,13 +124,17 @@ class ExternalAgents:
         self.on_failure = opts.on_failure
         self.max_prompt_length, self.max_response_length = data.max_prompt_length, data.max_response_length
 
+    @property
+    def paused(self):
+        return self.endpoint.paused
+
     def close(self) -> None:
         self.runner.close()
         self.endpoint.close()
 
-    def run(
+    def rollout(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
-    ) -> tuple[list[Trajectory], dict[str, float]]:
+    ) -> tuple[list[Trajectory], RolloutStats]:
         """``sampling.n`` rollouts per prompt, their rows as trajectories, and the counts and seconds."""
         t0 = time.perf_counter()
         tasks, prompt_of = [], {}
@@ -171,17 +187,14 @@ class ExternalAgents:
                 continue
             prompt, group_id = prompt_of[row.rollout_id]
             trajectories.append(self._trajectory(row, done[row.rollout_id], prompt, group_id))
-        counts = run.counts()
-        metrics = {
-            **{f"agent/rollouts/{status}": float(n) for status, n in counts.items()},
+        counts = {
+            **{f"agent/rollouts/{status}": float(n) for status, n in run.counts().items()},
             "agent/calls": float(sum(len(r.calls) for r in done.values())),
             "agent/hook_errors": float(sum(run.hook_errors.values())),
             "trace/too_long_rows": float(too_long),
             **aggregated.metrics(),
-            "agents": t1 - t0,
-            "rows": time.perf_counter() - t1,
         }
-        return trajectories, metrics
+        return trajectories, RolloutStats(seconds={"agents": t1 - t0, "rows": time.perf_counter() - t1}, counts=counts)
 
     def _trajectory(self, row: TraceRow, record: RolloutRecord, prompt: PromptSample, group_id: int) -> Trajectory:
         """``row`` as a training row of task ``group_id``: images processed, positions of the family."""
