@@ -257,6 +257,15 @@ _EXTERNAL_AGENTS = (
     Metric("trace/rows_trained", "Rows the step trains on after the trim.", "worker.rollout.agent"),
 )
 
+_WORKFLOWS = (
+    Metric("workflow/dropped", "Samples whose workflow returned None (dropped, as the workflow chose).",
+           "worker.rollout.workflow=path:Class"),
+    Metric("workflow/errors", "Samples whose workflow raised or returned something else than episodes; dropped "
+           "(data.on_bad_sample=skip).", "worker.rollout.workflow=path:Class"),
+    Metric("workflow/timeouts", "Samples whose workflow ran past worker.rollout.workflow_timeout; dropped "
+           "(data.on_bad_sample=skip).", "worker.rollout.workflow=path:Class"),
+)
+
 _ASYNC = (
     Metric("async/lag/mean", "Mean of the trained groups' lag: policy versions between the weights that train "
            "a group and the oldest that generated it.", "async training"),
@@ -355,6 +364,8 @@ _TIMING = (
     Metric("timing_s/gen/agents", "Seconds of the rollout the external agents ran.", "worker.rollout.agent"),
     Metric("timing_s/gen/rows", "Seconds of the rollout spent turning the agents' calls into rows.",
            "worker.rollout.agent"),
+    Metric("timing_s/gen/workflow", "Seconds of the rollout spent in the workflow's own code and waits (the engine's "
+           "steps not counted).", "worker.rollout.workflow=path:Class"),
     Metric("timing_s/gen/driver_call", "Seconds of the whole rollout call as the driver waited for it.",
            "when the training workers generate (not on disaggregated rollout servers)"),
     Metric("timing_s/gen/server_call", "Seconds from submitting rollouts to the rollout servers to collecting "
@@ -451,6 +462,8 @@ SECTIONS: tuple[tuple[str, str, tuple[Metric, ...]], ...] = (
      "image and token counts also for the rows of external agents.", _MULTI_TURN),
     ("External agents", "Agents that call the model through vlmrl's OpenAI-compatible endpoint, and how their "
      "calls became training rows.", _EXTERNAL_AGENTS),
+    ("Workflows", "A workflow class's samples that made no row (worker.rollout.workflow); its episodes are counted "
+     "as multi-turn trajectories above.", _WORKFLOWS),
     ("Asynchronous training", "Bounded staleness: how old the trained groups are, the staleness manager's counters "
      "and who waited for whom.", _ASYNC),
     ("Reward models", "The reward model's (a judge's or a score model's) counters for the step.", _REWARD_MODELS),
