@@ -29,12 +29,12 @@ def test_a_call_past_step_timeout_s_fails_naming_the_call_and_the_late_ranks(loc
     workers = [local_ray.remote(num_cpus=0)(_Worker).remote() for _ in range(2)]
     group = WorkerGroup.__new__(WorkerGroup)  # the real call path over real actors, without loading models
     group.workers, group.world_size, group.call_timeout = workers, 2, None
-    assert group.call("step", [(0.0,), (0.0,)]) == [0.0, 0.0]  # the actors are up (slow on a loaded machine)
+    assert group.call(_Worker.step, [(0.0,), (0.0,)]) == [0.0, 0.0]  # the actors are up (slow on a loaded machine)
     group.call_timeout = 2.0
-    assert group.call("step", [(0.0,), (0.1,)]) == [0.0, 0.1]
+    assert group.call(_Worker.step, [(0.0,), (0.1,)]) == [0.0, 0.1]
     start = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"step call ran past trainer.step_timeout_s=2 s \(ranks still running: \[1\]\)"):
-        group.call("step", [(0.0,), (600.0,)])
+        group.call(_Worker.step, [(0.0,), (600.0,)])
     assert time.monotonic() - start < 30
     for w in workers:
         local_ray.kill(w)

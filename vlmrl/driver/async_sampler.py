@@ -42,7 +42,7 @@ import torch
 
 from vlmrl.config import Config
 from vlmrl.driver.metrics import reduce_reward_metrics
-from vlmrl.driver.sampler import Rollout
+from vlmrl.driver.sampler import Rollout, Sampler
 from vlmrl.driver.scoring import Rewards, Scorer, ScoringJob
 from vlmrl.driver.staleness import StaleAction, StalenessManager
 from vlmrl.records import Batch, PromptSample
@@ -71,7 +71,7 @@ class _Group:
     """The policy version when it was admitted (and generated)."""
 
 
-class AsyncRolloutSampler:
+class AsyncRolloutSampler(Sampler):
     """The step's groups under a staleness bound; ``sample`` has the synchronous sampler's signature."""
 
     def __init__(

@@ -25,7 +25,7 @@ from vlmrl.driver.stall import SkippedStepWatch, optimizer_steps
 from vlmrl.driver.metrics import batch_metrics
 from vlmrl.driver.mismatch import mismatch_metrics
 from vlmrl.driver.perf import PerfMeter, ProgressBar
-from vlmrl.driver.sampler import RolloutSampler
+from vlmrl.driver.sampler import RolloutSampler, Sampler
 from vlmrl.driver.signal_check import SignalCheck
 from vlmrl.driver.scoring import Scorers
 from vlmrl.loggers.tracking import Tracker
@@ -117,6 +117,7 @@ class TrainingLoop:
         self.advantages = AdvantageStage(
             config.algorithm, plan.kl_in_reward, per_rollout=self.kind.credit is Credit.per_rollout
         )
+        self.sampler: Sampler
         if rollout.async_rl.enable:  # groups admitted ahead under a staleness bound, scored while the trainer trains
             self.sampler = AsyncRolloutSampler(
                 config, workers, self.scorer, self.train_sampling, self._group_ids, train_loader.dataset.sample

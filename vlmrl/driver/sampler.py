@@ -10,6 +10,7 @@ continue on fresh prompts until the batch is full (DAPO, Yu et al. 2025, sec. 3.
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,33 @@ class NoAgentRowsError(RuntimeError):
     """No rollout of the step left a row to train on."""
 
 
-class RolloutSampler:
+class Sampler(ABC):
+    """Where a step's batch comes from: the synchronous ``RolloutSampler`` or the asynchronous
+    ``vlmrl.driver.async_sampler.AsyncRolloutSampler``. The loop calls these and nothing else."""
+
+    @abstractmethod
+    def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
+        """The step's batch from ``prompts`` (and, where the sampler needs more, from ``more_prompts()``)."""
+
+    def weights_synced(self) -> None:
+        """The engines hold new weights (asynchronous training counts versions)."""
+
+    def step_metrics(self, step_s: float) -> dict[str, float]:
+        """Metrics known once the step is over (asynchronous training's idle shares)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop what runs beside the step."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the sampler (synchronous: nothing, every step's prompts are its own)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state``."""
+
+
+class RolloutSampler(Sampler):
     def __init__(
         self,
         config: Config,
@@ -99,23 +126,6 @@ class RolloutSampler:
             return rewards
 
         return Rollout(batch, collect)
-
-    def weights_synced(self) -> None:
-        """The engines hold new weights (asynchronous training counts versions; here nothing to do)."""
-
-    def step_metrics(self, step_s: float) -> dict[str, float]:
-        """Metrics known once the step is over (asynchronous training's idle shares; here none)."""
-        return {}
-
-    def close(self) -> None:
-        """Nothing runs beside the step here."""
-
-    def state(self) -> dict:
-        """What a checkpoint keeps of the sampler: nothing, every step's prompts are its own."""
-        return {}
-
-    def load_state(self, state: dict) -> None:
-        pass
 
     def _generate(self, prompts: list[PromptSample], prompt_of: dict[int, PromptSample]) -> Batch:
         group_ids = self.new_group_ids(len(prompts))

@@ -22,7 +22,8 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
 import torch
@@ -35,8 +36,11 @@ from vlmrl.records import Batch, PromptSample, Trajectory
 from vlmrl.train.actor import ActorUpdate
 from vlmrl.train.partition import balanced_partition, seqlen_balance_metrics
 from vlmrl.rollout.engine import Sampling
+from vlmrl.workers.hybrid import HybridWorker
 from vlmrl.workers.rollout_batch import rollout_batch, with_prompt_media
 from vlmrl.workers.store import PassInput
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from vlmrl.train.actor import UpdateSettings
@@ -184,7 +188,6 @@ class WorkerGroup:
         # Light on purpose: the workers' class imports what its roles need in the worker processes, so the
         # driver starts them without first importing transformers, torchvision and SciPy itself (the Runner
         # imports those while the workers start; vlmrl.driver.runner).
-        from vlmrl.workers.hybrid import HybridWorker
 
         self.config = config
         self.world_size = plan.world_size
@@ -261,13 +264,17 @@ class WorkerGroup:
 
     # ----------------------------------------------------------------- the generic call
 
-    def call(self, method: str, per_worker: list[tuple]) -> list:
+    def call(self, method: Callable[..., T], per_worker: list[tuple]) -> list[T]:
         """``method(*per_worker[rank])`` on every worker at once; their results in rank order.
+
+        ``method`` is the worker class's own function (``HybridWorker.update_actor``), not its name: a reader
+        and a type checker follow it to the code that runs.
 
         With ``trainer.step_timeout_s`` a call that runs past it fails the run, naming the call, instead
         of waiting forever on a hung collective or a wedged engine.
         """
-        refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_worker, strict=True)]
+        name = method.__name__
+        refs = [getattr(w, name).remote(*args) for w, args in zip(self.workers, per_worker, strict=True)]
         timeout = getattr(self, "call_timeout", None)
         try:
             return ray.get(refs, timeout=timeout)
@@ -275,12 +282,12 @@ class WorkerGroup:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = [rank for rank, ref in enumerate(refs) if ref not in done]
             raise WorkerTimeout(
-                f"the workers' {method} call ran past trainer.step_timeout_s={timeout:g} s (ranks still running: "
+                f"the workers' {name} call ran past trainer.step_timeout_s={timeout:g} s (ranks still running: "
                 f"{late}); a hung collective or engine looks like this. Raise trainer.step_timeout_s if steps are "
                 "really this long"
             ) from None
 
-    def call_all(self, method: str, *args) -> list:
+    def call_all(self, method: Callable[..., T], *args) -> list[T]:
         """The same call on every worker (a collective when the method is one)."""
         return self.call(method, [args] * self.world_size)
 
@@ -350,7 +357,7 @@ class WorkerGroup:
         prompt_parts = per_tensor_parallel_group(prompts, self.world_size, tp)
         id_parts = per_tensor_parallel_group(group_ids, self.world_size, tp)
         start = time.perf_counter()
-        results = self.call("generate", [(p, g, sampling, keep) for p, g in zip(prompt_parts, id_parts)])
+        results = self.call(HybridWorker.generate, [(p, g, sampling, keep) for p, g in zip(prompt_parts, id_parts)])
         call_seconds = time.perf_counter() - start
         prompt_of = dict(zip(group_ids, prompts))
         trajectories = []
@@ -396,23 +403,23 @@ class WorkerGroup:
 
     def release(self) -> None:
         """End of step: the workers drop the step's trajectories."""
-        self.call_all("release")
+        self.call_all(HybridWorker.release)
         self.holders.clear()
 
     # ----------------------------------------------------------------- trainer passes
 
     def compute_old_log_probs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, parts = self.scatter(batch)
-        results = self.call("compute_old_log_probs", [(x,) for x in inputs])
+        results = self.call(HybridWorker.compute_old_log_probs, [(x,) for x in inputs])
         return self.gather([r[0] for r in results], parts), self.gather([r[1] for r in results], parts)
 
     def compute_ref_log_probs(self, batch: Batch) -> torch.Tensor:
         inputs, parts = self.scatter(batch)
-        return self.gather(self.call("compute_ref_log_probs", [(x,) for x in inputs]), parts)
+        return self.gather(self.call(HybridWorker.compute_ref_log_probs, [(x,) for x in inputs]), parts)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         inputs, parts = self.scatter(batch)
-        return self.gather(self.call("compute_values", [(x,) for x in inputs]), parts)
+        return self.gather(self.call(HybridWorker.compute_values, [(x,) for x in inputs]), parts)
 
     def update_actor(self, batch: Batch, settings: UpdateSettings, old_from_forward: bool) -> ActorUpdate:
         """The workers' metrics (means; peaks as the largest worker's), plus the batch's balance over them;
@@ -423,7 +430,7 @@ class WorkerGroup:
         if settings.use_kl_loss:
             fields.append("ref_log_probs")
         inputs, parts = self.scatter(batch, *fields)
-        results = self.call("update_actor", [(x, settings, old_from_forward) for x in inputs])
+        results = self.call(HybridWorker.update_actor, [(x, settings, old_from_forward) for x in inputs])
         metrics = {**_join_metrics([r.metrics for r in results]), **self.balance_metrics(batch)}
         if results[0].log_probs is None:
             return ActorUpdate(metrics)
@@ -432,21 +439,21 @@ class WorkerGroup:
 
     def update_critic(self, batch: Batch, settings: CriticSettings) -> dict[str, float]:
         inputs, _ = self.scatter(batch, "values", "returns")
-        return _join_metrics(self.call("update_critic", [(x, settings) for x in inputs]))
+        return _join_metrics(self.call(HybridWorker.update_critic, [(x, settings) for x in inputs]))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full state dict (HF names), gathered from the shards; a collective over the workers."""
-        return self.call_all("full_weights")[0]
+        return self.call_all(HybridWorker.full_weights)[0]
 
     def sync_weights(self) -> dict[str, float]:
         """Collective: every worker streams the actor's weights into its engine (disaggregated: rank 0 pushes them
         to the rollout servers); the slowest resync, largest bucket."""
-        return _join_metrics(self.call_all("sync_weights"))
+        return _join_metrics(self.call_all(HybridWorker.sync_weights))
 
     def save_checkpoint(self, path: str, model_only: bool, hf_weights: bool) -> None:
-        self.call_all("save_checkpoint", path, model_only, hf_weights)
+        self.call_all(HybridWorker.save_checkpoint, path, model_only, hf_weights)
 
     def load_checkpoint(self, path: str, version: int = 1) -> bool:
         """Collective: every worker restores ``path``; its engine (or the rollout servers) then samples as policy
         ``version``."""
-        return all(self.call_all("load_checkpoint", path, version))
+        return all(self.call_all(HybridWorker.load_checkpoint, path, version))
