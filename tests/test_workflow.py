@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.observations import ConversationRenderer
 from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.tools import ToolRunner, load_tools
 from vlmrl.rollout.vllm_engine import VLLMEngine
 from vlmrl.rollout.workflow import OnError, WorkflowError, WorkflowRollouts, check_workflow_class
 from vlmrl.train.actor import forward_response
@@ -64,7 +66,7 @@ def _pad_ids(processor) -> tuple[int, int]:
     return vocab["<|image_pad|>"], vocab["<|video_pad|>"]
 
 
-def _rollouts(parts, name: str, *, on_error=OnError.error, timeout=30.0, **kwargs) -> WorkflowRollouts:
+def _rollouts(parts, name: str, *, on_error=OnError.error, timeout=30.0, tools=None, **kwargs) -> WorkflowRollouts:
     processor, config, _, _, engine, _ = parts
     ip = processor.image_processor
     renderer = ConversationRenderer(
@@ -75,7 +77,7 @@ def _rollouts(parts, name: str, *, on_error=OnError.error, timeout=30.0, **kwarg
     spec = f"{FILE}:{name}"
     return WorkflowRollouts(
         load_object(spec, "test")(**kwargs), spec, engine, renderer, positions=MRope.from_config(config).positions,
-        pad_ids=_pad_ids(processor), max_response_length=RESPONSE, timeout=timeout, on_error=on_error,
+        pad_ids=_pad_ids(processor), max_response_length=RESPONSE, timeout=timeout, on_error=on_error, tools=tools,
     )  # fmt: skip
 
 
@@ -178,3 +180,17 @@ def test_none_drops_a_sample_and_an_episode_reward_reaches_the_record(parts):
 def test_a_class_without_an_async_run_is_refused(name, says):
     problems = check_workflow_class(load_object(f"{FILE}:{name}", "test"), f"{FILE}:{name}")
     assert (problems == []) if says is None else (says in problems[0] and FILE in problems[0])
+
+
+def test_a_workflow_calls_a_configured_tool_and_shows_its_picture(parts):
+    runner = ToolRunner(load_tools(["tests/helpers/agent_tools.py:reveal"]), 5.0)
+    try:
+        trajectories, _ = _rollouts(parts, "CallsATool", tools=runner).rollout(parts[5], [3, 8], SAMPLING)
+    finally:
+        runner.close()
+    assert len(trajectories) == 4
+    for t in trajectories:
+        assert t.stop_reason == "ok"  # the tool ran
+        assert t.turn_rewards == [0.25, 0.0]  # the tool's reward on the turn that called it
+        assert len(t.images) == 2  # the row's image, then the tool's card
+        assert "picture 0" in json.dumps(t.messages)

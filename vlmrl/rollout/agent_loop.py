@@ -76,7 +76,6 @@ class _Conversation(Episode):
     """One trajectory while its turns are played, with what its tools and environment keep."""
 
     calls: list[dict] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)
     env: Any = None
 
 

@@ -63,6 +63,8 @@ class Episode:
     """The episode's reward, when its workflow gives one; None: the reward function scores it."""
     closed: bool = True
     """Whether the last model turn ended with its end-of-turn token (a turn cut by max_tokens did not)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Per episode: what its tools keep between calls (``ToolContext.state``)."""
 
     @classmethod
     def start(cls, prompt: PromptSample, group_id: int, index: int, image_ids: list[str]) -> Episode:

@@ -55,6 +55,7 @@ from vlmrl.rollout.episode import Episode, Positions
 from vlmrl.rollout.kind import Credit, RolloutKind, RolloutStats
 from vlmrl.rollout.observations import ConversationRenderer, Observation, split_images
 from vlmrl.rollout.sampling import group_seed
+from vlmrl.rollout.tools import CallOutcome, ToolContext
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,18 @@ class Context:
             closed=generation.finish_reason == "stop",
         )  # fmt: skip
 
+    async def call_tool(self, episode: Episode, name: str, arguments: Any) -> CallOutcome:
+        """Run a configured tool (``worker.rollout.multi_turn.tools``) as the multi-turn loop runs it: in its
+        process or thread, within ``multi_turn.tool_timeout``, with the episode's row, images, turn and state as
+        its context. The outcome's ``status`` says whether it ran; a failure is an outcome, never raised."""
+        if self.tools is None:
+            raise ValueError("ctx.call_tool: no tools are configured; name them in worker.rollout.multi_turn.tools")
+        context = ToolContext(
+            row=episode.row(), images=list(episode.images), turn=max(episode.num_turns - 1, 0), state=episode.state,
+            sample_id=episode.sample_id,
+        )  # fmt: skip
+        return await self.tools.call(name, arguments, context)
+
     def render(self, messages: list[dict], images: list[Any] = (), *, after_turn: bool = True) -> Observation:
         """Chat ``messages`` (images as ``{"type": "image"}`` items, ``images`` in order) as the tokens that follow a
         model turn, in both views, up to the next generation prompt: what the multi-turn loop appends."""
@@ -288,6 +301,10 @@ class WorkflowRollouts(RolloutKind):
         stats.seconds = {"engine": self._seconds, "workflow": ran - start - self._seconds,
                          "trajectories": time.perf_counter() - ran}  # fmt: skip
         return trajectories, stats
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
 
     @staticmethod
     def _samples(prompts, group_ids, sampling):

@@ -34,6 +34,10 @@ class MultiTurn(RolloutKind):
         trajectories, seconds = self.loop.run(prompts, group_ids, sampling)
         return trajectories, RolloutStats(seconds=seconds)
 
+    def close(self) -> None:
+        if self.loop.runner is not None:
+            self.loop.runner.close()
+
 
 def build_agent_loop(config: Config, engine, processor, pad_ids: tuple[int, ...]) -> AgentLoop:
     """The multi-turn loop over ``engine`` with the config's tools or environment, loaded in this process.
