@@ -47,7 +47,7 @@ MIN_PIXELS, MAX_PIXELS = 3136, 12544
 def wait_tool(seconds: float):
     async def look(context) -> object:
         """Look again."""
-        from vlmrl.rollout.tools import ToolResult
+        from vlmrl.rollout.turns.tools import ToolResult
 
         if seconds:
             await asyncio.sleep(seconds)
@@ -129,12 +129,12 @@ def loop_benchmark(args) -> dict:
     from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
     from vlmrl.data.media import resize_to_grid
     from vlmrl.data.positions import MRope
-    from vlmrl.rollout.agent_loop import AgentLoop, Limits
     from vlmrl.rollout.engine import Sampling
-    from vlmrl.rollout.observations import ConversationRenderer
-    from vlmrl.rollout.sampling import sampling_mask
-    from vlmrl.rollout.tools import ToolRunner, tool_from_function
-    from vlmrl.rollout.vllm_engine import VLLMEngine
+    from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.rollout.engine.vllm import VLLMEngine
+    from vlmrl.rollout.turns.loop import AgentLoop, Limits
+    from vlmrl.rollout.turns.observations import ConversationRenderer
+    from vlmrl.rollout.turns.tools import ToolRunner, tool_from_function
     from vlmrl.testing.assets import ensure_tiny_assets
 
     assets = ensure_tiny_assets()

@@ -188,7 +188,7 @@ def part_record(args, result: Path) -> None:
     from vlmrl.driver.runner import tool_schemas
     from vlmrl.plan import detect_cluster, resolve
     from vlmrl.rollout.engine import Sampling
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
     from vlmrl.validate import load_config
     from vlmrl.workers.rollout import RolloutWorker
     from vlmrl.workflows.multi_turn import build_agent_loop
@@ -250,7 +250,7 @@ def part_vllm(args, record: Path, result: Path) -> None:
     from vllm import LLM, SamplingParams
 
     from benchmarks.step import MAX_PIXELS, MIN_PIXELS
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
     from vlmrl.testing.assets import ensure_tiny_assets
 
     calls = torch.load(record, weights_only=False)["calls"]
@@ -321,7 +321,7 @@ def part_hf(args, record: Path, result: Path) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from vlmrl.records.views import to_batch
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
     from vlmrl.testing.assets import ensure_tiny_assets
     from vlmrl.train.actor import forward_response
 

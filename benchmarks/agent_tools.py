@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from PIL import Image
 
-from vlmrl.rollout.tool_parsers import ParsedTurn, ToolCall
-from vlmrl.rollout.tools import ToolResult
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn, ToolCall
+from vlmrl.rollout.turns.tools import ToolResult
 
 
 def card(index: int) -> Image.Image:

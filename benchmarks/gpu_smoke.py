@@ -54,7 +54,7 @@ from vlmrl.driver.perf import FlopsModel, PerfMeter, measure_cpu_peak_flops, pea
 from vlmrl.plan import Cluster, Plan, resolve
 from vlmrl.records import Batch, PromptSample, Trajectory
 from vlmrl.records.views import to_batch
-from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS, sampling_mask
 from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, forward_response, update_policy
 from vlmrl.train.fsdp_options import ShardOptions, shard, with_host_collectives
 from vlmrl.workers.trainer import adamw, process_group_backend

@@ -259,7 +259,7 @@ def part_vllm(args, result_path: Path) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
 
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
     llm = LLM(
@@ -318,7 +318,7 @@ def part_hf(args, result_path: Path) -> None:
     from vlmrl.train.micro_batches import MicroBatching
     from vlmrl.records import Trajectory
     from vlmrl.records.views import to_batch
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
 
     torch.manual_seed(0)
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)

@@ -12,7 +12,7 @@ from helpers.configs import CPU, problems_of
 from transformers import AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.rollout.tools import load_tools, tool_from_function
+from vlmrl.rollout.turns.tools import load_tools, tool_from_function
 from vlmrl.user_code import UserCodeError
 from vlmrl.validate import load_config
 

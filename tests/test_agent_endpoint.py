@@ -39,12 +39,12 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.chat import tools_system_message
-from vlmrl.rollout.endpoint import VERSION_HEADER, AgentEndpoint
-from vlmrl.rollout.endpoint_openai import chat_choice
-from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.endpoint.openai import chat_choice
+from vlmrl.rollout.endpoint.render import ChatRenderer
+from vlmrl.rollout.endpoint.server import VERSION_HEADER, AgentEndpoint
 from vlmrl.rollout.engine import SampleOutput
-from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS
-from vlmrl.rollout.tool_parsers import parse_qwen
+from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS
+from vlmrl.rollout.turns.tool_parsers import parse_qwen
 
 from helpers import agent_endpoint  # noqa: E402
 MAX_MODEL_LEN, MAX_TOKENS = 512, 256

@@ -29,8 +29,8 @@ from transformers import AutoProcessor
 
 from vlmrl.config import AgentOptionsConfig
 from vlmrl.data.chat import tools_system_message
-from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits, body_bound
-from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.endpoint.render import ChatRenderer
+from vlmrl.rollout.endpoint.server import AgentEndpoint, EndpointLimits, body_bound
 
 from helpers import agent_endpoint  # noqa: E402
 

@@ -24,7 +24,7 @@ from vlmrl.data.dataset import RLHFDataset
 from vlmrl.plan import resolve
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
 from vlmrl.workflows.openai_agent import AgentRolloutError, OpenAIAgent

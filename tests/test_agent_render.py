@@ -30,10 +30,10 @@ from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
 from vlmrl.data.positions import MRope
 from vlmrl.records import PromptSample
-from vlmrl.rollout.agent_loop import AgentLoop, Limits, turn_seed
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput, Sampling
-from vlmrl.rollout.observations import ConversationRenderer
-from vlmrl.rollout.tools import ToolRunner, load_tools
+from vlmrl.rollout.turns.loop import AgentLoop, Limits, turn_seed
+from vlmrl.rollout.turns.observations import ConversationRenderer
+from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544

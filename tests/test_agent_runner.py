@@ -33,8 +33,8 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from vlmrl.rollout import agent_runner
-from vlmrl.rollout.agent_runner import (
+from vlmrl.rollout.agents import runner as agent_runner
+from vlmrl.rollout.agents.runner import (
     AgentLLM,
     AgentRunner,
     AgentStatus,
@@ -256,7 +256,7 @@ def test_a_call_after_the_rollout_ended_is_refused(endpoint):
 
 def test_a_hook_that_raises_is_counted_and_does_not_stop_the_rollouts(endpoint, caplog):
     hooks = load_hooks({"on_succeeded": spec("hooks:on_succeeded")})
-    with caplog.at_level("WARNING", logger="vlmrl.rollout.agent_runner"):
+    with caplog.at_level("WARNING", logger="vlmrl.rollout.agents.runner"):
         run = _run(endpoint, "sleepy:solve", _tasks("hooked", 2, images=False), hooks=hooks)
     assert run.counts()["ok"] == 2 and run.hook_errors == {"on_succeeded": 2}
     failures = sorted(m for m in caplog.messages if "raised for rollout" in m)

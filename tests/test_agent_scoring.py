@@ -104,7 +104,7 @@ def test_external_agent_rows_log_only_the_metrics_that_mean_something_for_them()
     # Rows as the endpoint path makes them (vlmrl.workflows.openai_agent): recorded calls aggregated into rows, each row
     # a Trajectory with its rollout's id. vlmrl ran no tool for them and did not decide when they stopped (a
     # row's stop reason is its last call's finish reason), so no tool, stop-reason or render-mismatch key.
-    from vlmrl.rollout.traces import Call, aggregate
+    from vlmrl.rollout.agents.traces import Call, aggregate
 
     calls = {
         "0:0#0": [Call("0:0#0", 0, [1, 2], [3, 4], [-0.1, -0.2], 0), Call("0:0#0", 1, [1, 2, 3, 4, 5], [6], [-0.3], 0)],

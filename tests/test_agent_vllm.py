@@ -24,12 +24,12 @@ from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
 from vlmrl.data.positions import MRope
 from vlmrl.records.views import to_batch
-from vlmrl.rollout.agent_loop import AgentLoop, Limits
 from vlmrl.rollout.engine import Sampling, image_content_id
-from vlmrl.rollout.observations import ConversationRenderer
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.rollout.tools import ToolRunner, load_tools
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.rollout.engine.vllm import VLLMEngine
+from vlmrl.rollout.turns.loop import AgentLoop, Limits
+from vlmrl.rollout.turns.observations import ConversationRenderer
+from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.train.actor import forward_response
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544

@@ -26,7 +26,7 @@ from vlmrl.config.help import help_text
 from vlmrl.config.loading import parse
 from vlmrl.driver.console import ConsoleFeed, ConsoleView, Progress, report_progress
 from vlmrl.driver.runner import _finished_line
-from vlmrl.rollout.vllm_engine import _weightless_reload_warning
+from vlmrl.rollout.engine.vllm import _weightless_reload_warning
 from vlmrl.validate import load_config
 
 QUICKSTART = "config=examples/quickstart.yaml"
@@ -83,7 +83,7 @@ def test_the_engines_logs_are_kept_in_full_in_the_experiment_dir(quickstart_one_
     assert "Initializing a V1 LLM engine" in log
     assert "Reloading and processing weights" in log
     assert "step 1 | reward " in log
-    # ... but not vLLM's warning about its weightless layers (see vlmrl/rollout/vllm_engine.py).
+    # ... but not vLLM's warning about its weightless layers (see vlmrl/rollout/engine/vllm.py).
     assert "Failed to load weights" not in log
 
 

@@ -19,7 +19,7 @@ from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train.actor import forward_response
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 

@@ -20,8 +20,8 @@ from helpers.trajectories import Response, batch_of
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.train.actor import forward_response
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import sampling_mask, seeded_requests
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.engine.vllm import VLLMEngine
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 RESPONSE = 4

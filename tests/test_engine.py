@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import EngineBusy, EngineRequest, Sampling, image_content_id
-from vlmrl.rollout.sampling import seeded_requests
+from vlmrl.rollout.engine.sampling import seeded_requests
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 

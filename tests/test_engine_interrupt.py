@@ -23,7 +23,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import EngineBusy, EngineRequest, InterruptMode, Sampling
-from vlmrl.rollout.vllm_engine import derived_seed
+from vlmrl.rollout.engine.vllm import derived_seed
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 K = 3  # tokens out before the swap: the prefill samples the first, each later step one more

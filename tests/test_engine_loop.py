@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vlmrl.rollout.endpoint_loop import Aborted, EngineLoop
+from vlmrl.rollout.endpoint.loop import Aborted, EngineLoop
 from vlmrl.rollout.engine import EngineRequest, Sampling
 
 

@@ -36,7 +36,7 @@ from vlmrl.train.fsdp_options import (
     shard,
     with_host_collectives,
 )
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 
 PROMPTS, N, RESPONSE = 1, 2, 5
 SETTINGS = UpdateSettings(

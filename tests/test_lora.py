@@ -32,7 +32,7 @@ from vlmrl.train.actor import UpdateSettings, compute_log_probs
 from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.train.checkpoint import check_lora_matches
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 
 RANK, ALPHA = 8, 16
 # Adam moves every adapter entry by about lr on the first step; this lr makes the merged

@@ -205,8 +205,8 @@ def test_value_loss_metrics_are_declared():
 
 def test_named_counters_are_declared():
     from vlmrl.driver.staleness import StalenessManager
-    from vlmrl.rollout.agent_runner import AgentStatus
-    from vlmrl.rollout.traces import Aggregated
+    from vlmrl.rollout.agents.runner import AgentStatus
+    from vlmrl.rollout.agents.traces import Aggregated
     from vlmrl.train.partition import seqlen_balance_metrics
 
     keys = [f"async/{k}" for k in StalenessManager(2, 4, 1).stats()]

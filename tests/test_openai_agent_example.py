@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from transformers import AutoProcessor
 
 from vlmrl.data.media import open_image
-from vlmrl.rollout.agent_runner import AgentRunner, AgentStatus, AgentTask, load_agent
-from vlmrl.rollout.traces import aggregate
+from vlmrl.rollout.agents.runner import AgentRunner, AgentStatus, AgentTask, load_agent
+from vlmrl.rollout.agents.traces import aggregate
 from vlmrl.user_code import load_object
 
 from helpers import agent_endpoint  # noqa: E402  (tests/ is on the path, as for the other agent tests)

@@ -393,7 +393,7 @@ def actor_and_batch(tiny_assets):
     log-probs a little off the model's and one advantage per rollout."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
     from vlmrl.train.actor import compute_log_probs
 
     processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)

@@ -170,7 +170,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     from vlmrl.validate import load_config
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.records import PromptSample
-    from vlmrl.rollout.sampling import sampling_mask
+    from vlmrl.rollout.engine.sampling import sampling_mask
     from vlmrl.train.micro_batches import merged_mm_inputs
 
     data = load_config(["config=examples/quickstart.yaml"]).data

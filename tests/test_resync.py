@@ -24,7 +24,7 @@ import torch
 from helpers.runs import REPO
 
 from vlmrl.workers.trainer import process_group_backend
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.weight_sync.gather import plan_buckets
 
 

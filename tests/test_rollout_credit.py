@@ -30,7 +30,7 @@ from vlmrl.algos.rollout_credit import (
     rollout_token_counts,
     trim_to_mini_batches,
 )
-from vlmrl.rollout.traces import Call, aggregate
+from vlmrl.rollout.agents.traces import Call, aggregate
 
 ROLLOUTS = ["b", "c", "a", "b", "d", "c", "b", "e", "c"]
 TASKS = [0, 1, 0, 0, 1, 1, 0, 1, 1]

@@ -27,7 +27,7 @@ from vlmrl.data.dataset import RLHFDataset
 from vlmrl.records import PromptSample
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import InterruptMode, Sampling
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
 from vlmrl.weight_sync.object_store import push_weights

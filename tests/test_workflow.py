@@ -21,10 +21,10 @@ from vlmrl.data.media import resize_to_grid
 from vlmrl.data.positions import MRope
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.observations import ConversationRenderer
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.rollout.tools import ToolRunner, load_tools
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.rollout.engine.vllm import VLLMEngine
+from vlmrl.rollout.turns.observations import ConversationRenderer
+from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.rollout.workflow import OnError, WorkflowError, WorkflowRollouts, check_workflow_class
 from vlmrl.train.actor import forward_response
 from vlmrl.user_code import load_object

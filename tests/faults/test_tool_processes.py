@@ -22,7 +22,7 @@ import time
 import pytest
 
 from vlmrl.config import ConfigError
-from vlmrl.rollout.tools import ToolContext, ToolPoolExhausted, ToolRunner, ToolStatus, load_tools
+from vlmrl.rollout.turns.tools import ToolContext, ToolPoolExhausted, ToolRunner, ToolStatus, load_tools
 from vlmrl.validate import load_config
 
 TOOLS = """
@@ -152,7 +152,7 @@ AGENT = """
 
 
 def test_a_sync_agents_return_value_that_would_run_code_when_unpickled_runs_nothing(tmp_path, monkeypatch):
-    from vlmrl.rollout.agent_runner_pool import AgentProcesses
+    from vlmrl.rollout.agents.pool import AgentProcesses
 
     mark = tmp_path / "ran-in-the-worker"
     monkeypatch.setenv("EVIL_MARK", str(mark))

@@ -9,11 +9,11 @@ import torch
 
 from vlmrl.data.chat import template_has_tools, tools_system_message
 from vlmrl.data.media import resize_to_grid
-from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
-from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.endpoint.render import ChatRenderer
+from vlmrl.rollout.endpoint.server import AgentEndpoint, EndpointLimits
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput
-from vlmrl.rollout.sampling import sampling_mask
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.rollout.engine.vllm import VLLMEngine
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 

@@ -7,8 +7,8 @@ import time
 
 from PIL import Image
 
-from vlmrl.rollout.tool_parsers import ParsedTurn, ToolCall, parse_qwen
-from vlmrl.rollout.tools import ToolResult, tool
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn, ToolCall, parse_qwen
+from vlmrl.rollout.turns.tools import ToolResult, tool
 
 COLOURS = [(220, 30, 30), (30, 200, 40), (30, 60, 220), (240, 220, 20)]
 

@@ -31,7 +31,7 @@ from vlmrl.config import LoggerName
 from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 
 
 def fixed_batch(config, model, processor):

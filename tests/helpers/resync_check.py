@@ -49,8 +49,8 @@ from vlmrl.testing.resolvers import register_resolvers
 register_resolvers()  # run as its own process: quickstart.yaml names its model and data as ${tiny:...}
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import Sampling
-from vlmrl.rollout.sampling import sampling_mask, seeded_requests
-from vlmrl.rollout.vllm_engine import VLLMEngine
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.weight_sync import EngineSink, WeightSync
 
 RESPONSE = 6

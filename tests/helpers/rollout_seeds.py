@@ -18,8 +18,8 @@ register_resolvers()  # run as its own process: quickstart.yaml names its model 
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.testing.assets import ensure_tiny_assets  # noqa: E402
 from vlmrl.rollout.engine import Sampling  # noqa: E402
-from vlmrl.rollout.sampling import sampling_mask, seeded_requests  # noqa: E402
-from vlmrl.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests  # noqa: E402
+from vlmrl.rollout.engine.vllm import VLLMEngine  # noqa: E402
 
 PROMPTS = 24
 
@@ -50,7 +50,7 @@ def main() -> None:
         return [s.token_ids for out in outputs for s in out.samples]
 
     first, again, shifted = sample(ids), sample(ids), sample([i + 1000 for i in ids])
-    # The engine draws the requests' seeds in blocks (vlmrl/rollout/vllm_sampler.py); vLLM's own sampler again:
+    # The engine draws the requests' seeds in blocks (vlmrl/rollout/engine/vllm_sampler.py); vLLM's own sampler again:
     blocks = engine.seed_draws_in_blocks
     engine.llm.collective_rpc(_stock_sampler)
     stock = sample(ids)

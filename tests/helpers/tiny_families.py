@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import AutoConfig, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]

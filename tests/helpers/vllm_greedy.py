@@ -25,7 +25,7 @@ from vlmrl.testing.resolvers import register_resolvers
 
 register_resolvers()  # run as its own process: quickstart.yaml names its model and data as ${tiny:...}
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
-from vlmrl.rollout.sampling import sampling_mask  # noqa: E402
+from vlmrl.rollout.engine.sampling import sampling_mask  # noqa: E402
 
 
 def main() -> None:

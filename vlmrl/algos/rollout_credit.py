@@ -34,7 +34,7 @@ from vlmrl.algos.common import ConfigEnum, masked_sum
 class TraceAggregation(ConfigEnum):
     """How a rollout's recorded LLM calls become training rows (``algorithm.trace_aggregation``).
 
-    Defined here, below the config, so the schema can use it; ``vlmrl.rollout.traces`` does the work.
+    Defined here, below the config, so the schema can use it; ``vlmrl.rollout.agents.traces`` does the work.
     """
 
     trajectory = "trajectory"

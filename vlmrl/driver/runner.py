@@ -73,7 +73,7 @@ def tool_schemas(config: Config) -> list[dict]:
     multi_turn = config.worker.rollout.multi_turn
     if not multi_turn.tools or workflows.workflow_name(config.worker.rollout) in ("single_turn", "openai_agent"):
         return []
-    from vlmrl.rollout.tools import load_tools
+    from vlmrl.rollout.turns.tools import load_tools
 
     return [t.schema() for t in load_tools(multi_turn.tools)]
 

@@ -1,7 +1,7 @@
 """An episode while it is being played: a prompt, then model turns and what answered them, in two token views.
 
 ``Episode`` is the record every conversation grows in: the built-in multi-turn
-loop's (``vlmrl.rollout.agent_loop``) and a user workflow's
+loop's (``vlmrl.rollout.turns.loop``) and a user workflow's
 (``vlmrl.rollout.workflow``). It keeps the engine's view of the tokens (one
 placeholder per image, what a request sends) and the actor's (each image's
 placeholder expanded to its patch tokens) side by side, with a loss mask (1 on
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from vlmrl.records import Media, PromptSample, Trajectory
-from vlmrl.rollout.observations import Observation
-from vlmrl.rollout.sampling import media_offsets
+from vlmrl.rollout.engine.sampling import media_offsets
+from vlmrl.rollout.turns.observations import Observation
 
 Positions = Callable[[list[int], dict[str, torch.Tensor]], torch.Tensor]
 """``(actor token ids, mm inputs) -> (3, n)`` rotary positions of the model's family."""

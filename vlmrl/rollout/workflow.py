@@ -49,13 +49,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout.agent_loop import turn_seed
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, Sampling, image_content_id
+from vlmrl.rollout.engine.sampling import group_seed
 from vlmrl.rollout.episode import Episode, Positions
 from vlmrl.rollout.kind import Credit, RolloutKind, RolloutStats
-from vlmrl.rollout.observations import ConversationRenderer, Observation, split_images
-from vlmrl.rollout.sampling import group_seed
-from vlmrl.rollout.tools import CallOutcome, ToolContext
+from vlmrl.rollout.turns.loop import turn_seed
+from vlmrl.rollout.turns.observations import ConversationRenderer, Observation, split_images
+from vlmrl.rollout.turns.tools import CallOutcome, ToolContext
 
 log = logging.getLogger(__name__)
 

@@ -113,7 +113,7 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     from vlmrl.data.chat import tools_system_message
     from vlmrl.data.dataset import MODEL_INPUT_KEYS
     from vlmrl.data.media import resize_to_grid
-    from vlmrl.rollout.observations import ConversationRenderer
+    from vlmrl.rollout.turns.observations import ConversationRenderer
 
     processor = AutoProcessor.from_pretrained(model_dir)
     tokenizer = processor.tokenizer

@@ -13,9 +13,9 @@ import inspect
 from vlmrl.algos import MULTI_ROW_UNSUPPORTED, AdvantageEstimator
 from vlmrl.config import Config
 from vlmrl.plan import kl_in_reward
-from vlmrl.rollout.agent_runner import HOOK_KEY, load_agent, load_hooks
-from vlmrl.rollout.tool_parsers import load_parser
-from vlmrl.rollout.tools import load_tools
+from vlmrl.rollout.agents.runner import HOOK_KEY, load_agent, load_hooks
+from vlmrl.rollout.turns.tool_parsers import load_parser
+from vlmrl.rollout.turns.tools import load_tools
 from vlmrl.user_code import UserCodeError, load_object
 from vlmrl.workflows import is_builtin, workflow_name
 

@@ -19,8 +19,8 @@ from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.rollout.kind import RolloutKind, RolloutStats
-from vlmrl.rollout.vllm_engine import VLLMEngine
 
 
 class RolloutWorker:

@@ -38,9 +38,9 @@ from vlmrl.config import Config
 from vlmrl.heap import started
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout.endpoint_loop import EngineLoop
+from vlmrl.rollout.endpoint.loop import EngineLoop
 from vlmrl.rollout.engine import EngineOutput, InterruptMode, NamedTensors, Sampling
-from vlmrl.rollout.sampling import media_offsets, sampling_mask, seeded_requests
+from vlmrl.rollout.engine.sampling import media_offsets, sampling_mask, seeded_requests
 from vlmrl.train.models import apply_overrides, load_processor, tokenizer_of
 from vlmrl.weight_sync.collective import Broadcast, GroupAddress, WeightGroup
 from vlmrl.weight_sync.object_store import WeightBuckets

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan, weights_dtype
 from vlmrl.records import Trajectory
-from vlmrl.rollout.sampling import sampling_mask
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.train import actor as actor_passes
 from vlmrl.train import checkpoint as ckpt
 from vlmrl.train import critic as critic_passes

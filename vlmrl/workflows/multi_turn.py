@@ -1,7 +1,7 @@
 """``multi_turn``: conversations with tools or an environment (``worker.rollout.multi_turn.*``).
 
 The turns of a call's trajectories run in lock-step on the engine
-(``vlmrl.rollout.agent_loop``); the tools or the environment run in this
+(``vlmrl.rollout.turns.loop``); the tools or the environment run in this
 process, next to it.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from vlmrl.config import Config
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout.agent_loop import AgentLoop, Limits
 from vlmrl.rollout.engine import Engine, Sampling
 from vlmrl.rollout.kind import RolloutKind, RolloutStats
-from vlmrl.rollout.tool_parsers import load_parser
-from vlmrl.rollout.tools import ToolRunner, load_tools
+from vlmrl.rollout.turns.loop import AgentLoop, Limits
+from vlmrl.rollout.turns.tool_parsers import load_parser
+from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.user_code import load_object
 from vlmrl.workflows.rendering import conversation_renderer, family_positions
 

@@ -3,8 +3,8 @@
 Each worker serves its own engine to the agents it runs, over an
 OpenAI-compatible endpoint on loopback (``vlmrl.rollout.endpoint``), and runs
 ``solve(task, llm)`` once per rollout: n rollouts per prompt, the group of
-the prompt's id (``vlmrl.rollout.agent_runner``). The calls each rollout made
-become training rows (``vlmrl.rollout.traces``, ``algorithm.trace_aggregation``),
+the prompt's id (``vlmrl.rollout.agents.runner``). The calls each rollout made
+become training rows (``vlmrl.rollout.agents.traces``, ``algorithm.trace_aggregation``),
 and each row becomes a ``Trajectory``: the images of its calls processed for
 the actor, its positions from the model family's rotary scheme, and the
 rollout's id, so that the driver gives every row of a rollout one advantage.
@@ -30,13 +30,13 @@ from vlmrl.data.dataset import MODEL_INPUT_KEYS
 from vlmrl.data.media import resize_to_grid
 from vlmrl.plan import Plan
 from vlmrl.records import Media, PromptSample, Trajectory
-from vlmrl.rollout.agent_runner import AgentRunner, AgentStatus, AgentTask, RolloutRecord, load_agent, load_hooks
-from vlmrl.rollout.endpoint import AgentEndpoint, EndpointLimits
-from vlmrl.rollout.endpoint_render import ChatRenderer
+from vlmrl.rollout.agents.runner import AgentRunner, AgentStatus, AgentTask, RolloutRecord, load_agent, load_hooks
+from vlmrl.rollout.agents.traces import Aggregated, TraceRow, aggregate
+from vlmrl.rollout.endpoint.render import ChatRenderer
+from vlmrl.rollout.endpoint.server import AgentEndpoint, EndpointLimits
 from vlmrl.rollout.engine import Engine, Sampling
+from vlmrl.rollout.engine.sampling import group_seed
 from vlmrl.rollout.kind import Credit, RolloutKind, RolloutStats
-from vlmrl.rollout.sampling import group_seed
-from vlmrl.rollout.traces import Aggregated, TraceRow, aggregate
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from vlmrl.data.chat import template_has_tools
 from vlmrl.data.dataset import MODEL_INPUT_KEYS
 from vlmrl.data.media import resize_to_grid
 from vlmrl.data.positions import MRope
-from vlmrl.rollout.observations import ConversationRenderer
+from vlmrl.rollout.turns.observations import ConversationRenderer
 
 
 def family_positions(model_path: str):

@@ -12,8 +12,8 @@ import time
 from vlmrl.config import Config
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import Engine, Sampling
+from vlmrl.rollout.engine.sampling import media_offsets, seeded_requests
 from vlmrl.rollout.kind import RolloutKind, RolloutStats
-from vlmrl.rollout.sampling import media_offsets, seeded_requests
 
 
 class SingleTurn(RolloutKind):

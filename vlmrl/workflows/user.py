@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.config import BadSamplePolicy, Config
-from vlmrl.rollout.tools import ToolRunner, load_tools
+from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.rollout.workflow import OnError, WorkflowRollouts
 from vlmrl.workflows.rendering import conversation_renderer, family_positions
 

@@ -1,10 +1,10 @@
 """The process user tools run in (``worker.rollout.multi_turn.tool_processes``): a crash or a hang ends it, not the
 rollout worker.
 
-``python -m vlmrl.rollout.tool_child READ_FD WRITE_FD``, started and replaced
-by ``agent_runner_pool.AgentProcesses`` (as sync agents are). It loads the
+``python -m vlmrl.rollout.turns.tool_child READ_FD WRITE_FD``, started and replaced
+by ``agents.pool.AgentProcesses`` (as sync agents are). It loads the
 tools itself from their specs, so no function is pickled, and imports only
-``vlmrl.rollout.tools``'s light dependencies and the user's modules. The protocol:
+``vlmrl.rollout.turns.tools``'s light dependencies and the user's modules. The protocol:
 
 * parent -> child, pickled (the child trusts its parent): ``{"sys_path", "spec": [tool specs], "key"}`` once,
   then ``(name, arguments, context fields or None)`` per call;
@@ -24,8 +24,8 @@ import os
 import sys
 from multiprocessing.connection import Connection
 
-from vlmrl.rollout.agent_runner_child import exit_with_parent
-from vlmrl.rollout.tools import KEY, ToolContext, as_result, load_tools
+from vlmrl.rollout.agents.child import exit_with_parent
+from vlmrl.rollout.turns.tools import KEY, ToolContext, as_result, load_tools
 from vlmrl.user_code import UserCodeError
 from vlmrl.user_process import NotData, become_subreaper, send_data
 

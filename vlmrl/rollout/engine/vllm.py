@@ -9,8 +9,9 @@ tokens ``LLM.generate`` would. Outputs are asked for only when a request
 finishes (``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` does): vLLM then
 gathers the n samples of a request itself and returns them together.
 
-Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.sampling``), banned by a logits processor
-of the engine's own, and seeded requests draw their seeds in blocks on CPU: both in ``vlmrl.rollout.vllm_sampler``.
+Every request may sample only ``allowed_tokens`` (see ``vlmrl.rollout.engine.sampling``), banned by a logits
+processor of the engine's own, and seeded requests draw their seeds in blocks on CPU: both in
+``vlmrl.rollout.engine.vllm_sampler``.
 
 With ``free_cache_engine`` on GPU the engine sleeps between rollouts, as in
 EasyR1/verl: after each generate call ``sleep(level=1)`` drops the KV cache and
@@ -80,7 +81,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout import vllm_sampler
+from vlmrl.rollout.engine import vllm_sampler
 from vlmrl.rollout.engine import (
     Engine,
     EngineBusy,

@@ -1,6 +1,6 @@
 """The processes sync agents run in: one rollout at a time each, killed and replaced on a hang or a crash.
 
-The parent side of ``agent_runner_child``'s protocol. A thread (one per
+The parent side of ``child``'s protocol. A thread (one per
 rollout in flight) takes an idle process, sends it the rollout and waits for
 the answer up to the rollout's timeout. A process that does not answer in
 time is killed with its whole process group (whatever the agent started) and
@@ -116,12 +116,12 @@ class _Process:
 class AgentProcesses:
     """``processes`` processes running the sync agent ``spec``; ``run`` is called from many threads at once.
 
-    ``module`` is the child's side (``agent_runner_child``, or ``tool_child`` for tools, whose ``spec`` is a
+    ``module`` is the child's side (``agents.child``, or ``turns.tool_child`` for tools, whose ``spec`` is a
     list of tool specs); ``what`` names the process in messages.
     """
 
     def __init__(
-        self, spec: str | list[str], key: str, processes: int, module: str = "vlmrl.rollout.agent_runner_child",
+        self, spec: str | list[str], key: str, processes: int, module: str = "vlmrl.rollout.agents.child",
         what: str = "agent",
     ):  # fmt: skip
         if processes < 1:

@@ -41,13 +41,13 @@ from typing import Any
 import torch
 
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout import envs
 from vlmrl.rollout.engine import Engine, EngineRequest, Sampling, image_content_id
+from vlmrl.rollout.engine.sampling import group_seed
 from vlmrl.rollout.episode import Episode
-from vlmrl.rollout.observations import ConversationRenderer, split_images
-from vlmrl.rollout.sampling import group_seed
-from vlmrl.rollout.tool_parsers import ParsedTurn
-from vlmrl.rollout.tools import CallOutcome, ToolContext, ToolResult, ToolRunner, ToolStatus
+from vlmrl.rollout.turns import envs
+from vlmrl.rollout.turns.observations import ConversationRenderer, split_images
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn
+from vlmrl.rollout.turns.tools import CallOutcome, ToolContext, ToolResult, ToolRunner, ToolStatus
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """What runs the user's agent: its documented signature, its check, and the process a sync agent runs in.
 
-Kept apart from ``agent_runner`` so that an agent process imports only this
+Kept apart from ``runner`` so that an agent process imports only this
 module, ``vlmrl.user_code`` and the user's own module: no torch, vLLM or
-aiohttp. A process is ``python -m vlmrl.rollout.agent_runner_child READ_FD
+aiohttp. A process is ``python -m vlmrl.rollout.agents.child READ_FD
 WRITE_FD`` (``subprocess``, not ``multiprocessing``: it neither re-imports
 the parent's ``__main__`` as spawn would nor inherits the parent's vLLM
 threads as fork would). It loads the agent itself, so no function is pickled.

@@ -12,8 +12,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from vlmrl.rollout.endpoint_openai import EndpointError
-from vlmrl.rollout.endpoint_render import CHARS_PER_TOKEN, RenderBudget
+from vlmrl.rollout.endpoint.openai import EndpointError
+from vlmrl.rollout.endpoint.render import CHARS_PER_TOKEN, RenderBudget
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Issue 19 (Agent Lightning style): an agent written with the OpenAI SDK, or
 anything that speaks its protocol, runs unchanged against vlmrl's engine, and
-every LLM call it makes becomes a ``Call`` record (``vlmrl.rollout.traces``)
+every LLM call it makes becomes a ``Call`` record (``vlmrl.rollout.agents.traces``)
 with the exact prompt ids in the actor's view, the sampled ids, their
 log-probs and the policy version that served it. It serves
 ``POST /v1/chat/completions`` (images as ``image_url`` data URLs, tools),
@@ -31,7 +31,7 @@ default what the engine can take (``body_bound``: the context's text and the
 per-call image budget), is answered 413 from its ``Content-Length``, before
 it is read, and its connection is closed unread. Images are checked against
 the per-call budget from their headers before they are decoded
-(``vlmrl.rollout.endpoint_render.RenderBudget``).
+(``vlmrl.rollout.endpoint.render.RenderBudget``).
 
 Length: a call whose prompt (image placeholders expanded, as the engine counts
 it) plus ``max_tokens`` exceeds ``max_model_len``, or that asks more than the
@@ -83,13 +83,13 @@ from typing import Any
 
 from aiohttp import web
 
-from vlmrl.rollout.endpoint_loop import Aborted, EngineLoop
-from vlmrl.rollout.endpoint_limits import ENCODED_BYTES_PER_PIXEL, EndpointLimits, Refused, body_bound
-from vlmrl.rollout.endpoint_openai import EndpointError, Options, chat_choice, completion_choice, parse_options
-from vlmrl.rollout.endpoint_render import ChatRenderer, OverBudget, RenderedPrompt, RenderError
+from vlmrl.rollout.endpoint.loop import Aborted, EngineLoop
+from vlmrl.rollout.endpoint.limits import ENCODED_BYTES_PER_PIXEL, EndpointLimits, Refused, body_bound
+from vlmrl.rollout.endpoint.openai import EndpointError, Options, chat_choice, completion_choice, parse_options
+from vlmrl.rollout.endpoint.render import ChatRenderer, OverBudget, RenderedPrompt, RenderError
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, NamedTensors, Sampling
-from vlmrl.rollout.tool_parsers import ParsedTurn, parse_qwen
-from vlmrl.rollout.traces import Call
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn, parse_qwen
+from vlmrl.rollout.agents.traces import Call
 
 __all__ = ["VERSION_HEADER", "AgentEndpoint", "EndpointError", "EndpointLimits", "body_bound"]
 
@@ -127,7 +127,7 @@ class AgentEndpoint:
         render_threads: int = 4,
     ):
         """``port`` 0 takes a free one (see ``port`` after ``start``); ``parse_tools`` reads tool calls from a
-        response's text when the request has tools (``vlmrl.rollout.tool_parsers``); ``render_threads``: calls
+        response's text when the request has tools (``vlmrl.rollout.turns.tool_parsers``); ``render_threads``: calls
         rendered at once."""
         self.engine, self.renderer, self.limits = engine, renderer, limits
         self.render_threads = render_threads

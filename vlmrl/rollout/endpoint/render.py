@@ -20,7 +20,7 @@ and Qwen2.5-VL's, the tiny test model's) the tools go into the system message
 written by the injected ``tools_message`` and the calls and results are written
 as Qwen writes them, ``<tool_call>`` blocks in the assistant's text and
 ``<tool_response>`` blocks in a user turn, as the built-in agent loop does
-(``vlmrl.rollout.observations``).
+(``vlmrl.rollout.turns.observations``).
 
 Deliberate limits: only ``data:`` image URLs are taken (the endpoint fetches
 nothing over the network), and no audio or file parts. Every refusal is a

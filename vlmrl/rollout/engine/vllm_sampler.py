@@ -1,8 +1,8 @@
 """What vlmrl puts on vLLM's sampler: the banned tokens' logits processor, and seeds drawn in blocks on CPU.
 
 **The ban** (``ban_tokens``). Every request may sample only the engine's ``allowed_tokens`` (see
-``vlmrl.rollout.sampling``). A logits processor of the engine's own sets the banned ids' logits to -inf for every row
-of every step, where vLLM's ``allowed_token_ids`` would mask them: the same -inf at the same places, so the samples
+``vlmrl.rollout.engine.sampling``). A logits processor of the engine's own sets the banned ids' logits to -inf for every
+row of every step, where vLLM's ``allowed_token_ids`` would mask them: the same -inf at the same places, so the samples
 and log-probs are the allowed list's to the bit (tests/test_engine.py checks both against ``LLM.generate`` with
 ``allowed_token_ids``). What the processor saves, for a real vocabulary (Qwen2.5-VL: 151,643 allowed ids, 421
 banned: the vision tokens and the embedding's padding rows), all measured here: vLLM builds a mask row from the

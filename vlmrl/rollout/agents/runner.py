@@ -69,10 +69,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vlmrl.rollout.agent_runner_child import KEY, AgentLLM, check_agent, describe
-from vlmrl.rollout.agent_runner_pool import AgentProcesses
-from vlmrl.rollout.endpoint import AgentEndpoint
-from vlmrl.rollout.traces import Call
+from vlmrl.rollout.agents.child import KEY, AgentLLM, check_agent, describe
+from vlmrl.rollout.agents.pool import AgentProcesses
+from vlmrl.rollout.agents.traces import Call
+from vlmrl.rollout.endpoint.server import AgentEndpoint
 from vlmrl.user_code import UserCodeError, load_object
 
 __all__ = [

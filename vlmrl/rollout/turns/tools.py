@@ -14,7 +14,7 @@ long as the trajectory. It returns text, images, or a ``ToolResult`` with an
 optional turn reward and a ``done`` flag.
 
 Tools loaded from their specs run in child processes of the rollout worker
-(``multi_turn.tool_processes``, ``vlmrl.rollout.tool_child``): a call that
+(``multi_turn.tool_processes``, ``vlmrl.rollout.turns.tool_child``): a call that
 hangs past the timeout has its process killed and replaced, and one that
 crashes it (``os._exit``, a segfault) is an error observation, not a dead
 worker. Their results and ``context.state`` come back as data. With
@@ -268,10 +268,10 @@ class ToolRunner:
         self._lock = threading.Lock()
         self.processes = None
         if processes > 0 and tools and all(t.spec for t in tools):
-            from vlmrl.rollout.agent_runner_pool import AgentProcesses
+            from vlmrl.rollout.agents.pool import AgentProcesses
 
             self.processes = AgentProcesses(
-                [t.spec for t in tools], KEY, processes, module="vlmrl.rollout.tool_child", what="tool"
+                [t.spec for t in tools], KEY, processes, module="vlmrl.rollout.turns.tool_child", what="tool"
             )
             self.processes.start()
 

@@ -8,7 +8,7 @@ silently wrong. Unknown fields are ignored, as OpenAI-compatible servers do.
 
 A reply's text is the tokenizer's decoding of the sampled ids (so the reply
 and the recorded call agree); with tools in the request, the calls read from it
-(``vlmrl.rollout.tool_parsers``) become OpenAI ``tool_calls``.
+(``vlmrl.rollout.turns.tool_parsers``) become OpenAI ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmrl.rollout.engine import SampleOutput
-from vlmrl.rollout.tool_parsers import ParsedTurn
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn
 
 
 class EndpointError(Exception):
