@@ -14,6 +14,7 @@ from helpers.runs import (
     run_main,
     tail,
 )
+from helpers.shared_cluster import stop as stop_shared_cluster
 from helpers.sigterm_run import SigtermRun, sigterm_run as _sigterm_run
 
 from vlmrl.heap import pause_full_collections, started
@@ -158,6 +159,11 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_configure(config):
     # Collecting imports torch, transformers and vlmrl's modules: no full collection walks them while they grow.
     pause_full_collections()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # The Ray cluster the CLI runs joined (helpers/shared_cluster.py), if one was started.
+    stop_shared_cluster()
 
 
 def pytest_collection_finish(session):

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from helpers.shared_cluster import join_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A step of the quickstart cut down to seconds: 2 prompts x 2 samples x 8 tokens, no validation.
@@ -37,23 +39,34 @@ def run_main(
     env: dict | None = None,
     timeout: int = 600,
     crash_in_save_at: int | None = None,
+    own_cluster: bool = False,
 ):
     """Run to completion; return the CompletedProcess (the caller checks returncode).
 
     A user's MLFLOW_TRACKING_URI is dropped: test runs use their embedded store.
     ``crash_in_save_at``: kill the run in the middle of saving that step (tests/helpers/crash_in_save.py).
+    ``own_cluster``: see ``run_command``.
     """
     command = main_command(output_dir, *overrides, experiment=experiment)
     if crash_in_save_at is not None:
         command = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), str(crash_in_save_at)]
         command += main_command(output_dir, *overrides, experiment=experiment)[3:]
-    return run_command(command, env=env, timeout=timeout)
+    return run_command(command, env=env, timeout=timeout, own_cluster=own_cluster)
 
 
-def run_command(command: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_command(
+    command: list[str], env: dict | None = None, timeout: int = 600, own_cluster: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``command`` in the repository to completion, without a user's MLFLOW_TRACKING_URI (test runs use
-    their embedded store); the caller checks returncode."""
+    their embedded store); the caller checks returncode.
+
+    The run joins the test session's Ray cluster (helpers/shared_cluster.py) unless ``own_cluster`` (or ``env``
+    names a RAY_ADDRESS): a run whose test is about starting a cluster, or about signals, process groups and the
+    driver's own session, which only a run that starts its own cluster has, must say ``own_cluster=True``.
+    """
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    if not own_cluster and "RAY_ADDRESS" not in (env or {}):
+        base.update(join_env())
     return subprocess.run(
         command, cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
     )
