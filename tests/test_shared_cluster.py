@@ -12,7 +12,8 @@ from helpers.shared_cluster import join_env
 # What a driver of the run sees: the cluster it joined, or the one it started (RAY_ADDRESS unset).
 DRIVER = (
     "import os, ray; ray.init(logging_level='ERROR'); "
-    "print(os.environ.get('RAY_ADDRESS'), ray.get_runtime_context().gcs_address, ray.get(ray.remote(lambda: 1).remote()))"
+    "print(os.environ.get('RAY_ADDRESS'), ray.get_runtime_context().gcs_address, "
+    "ray.get(ray.remote(lambda: 1).remote()))"
 )
 
 

@@ -63,7 +63,8 @@ def _start() -> tuple[subprocess.Popen, dict[str, str]]:
     holder.stdout.close()
     if not line:
         holder.wait()
-        raise RuntimeError(f"the shared Ray cluster did not start (exit {holder.returncode}):\n{log.read_text()[-4000:]}")
+        why = log.read_text()[-4000:]
+        raise RuntimeError(f"the shared Ray cluster did not start (exit {holder.returncode}):\n{why}")
     return holder, json.loads(line)
 
 
