@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from vlmrl.main import LOCAL_CLUSTER_SYSTEM_CONFIG
+from vlmrl.launch import LOCAL_CLUSTER_SYSTEM_CONFIG
 
 SCRIPT = textwrap.dedent(
     """

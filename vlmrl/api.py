@@ -31,6 +31,12 @@ Agents (``worker.rollout.agent``) and their hooks (``worker.rollout.agent_hooks`
 - ``AgentStatus``: how a rollout ended: ok, raised, timeout, died or no_call.
 - ``Call``: one LLM call the endpoint recorded: prompt and response token ids, log-probs, policy version.
 
+Training from Python (guides/python-api):
+
+- ``train``: one training run in this process from a config (a YAML path or a mapping), overrides, and optionally
+  the data as a ``datasets.Dataset`` or a list of rows and the reward function or workflow class as objects.
+- ``TrainResult``: what ``train`` returns: the experiment and checkpoint directories, the last step and its metrics.
+
 Workflows (``worker.rollout.workflow=path/to/file.py:Class``, guides/workflows):
 
 - ``Workflow``: the base class of a workflow; its ``async def run(self, ctx, row)`` plays one sample of a row.
@@ -50,18 +56,20 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "tool": "vlmrl.rollout.tools",
-    "ToolContext": "vlmrl.rollout.tools",
-    "ToolResult": "vlmrl.rollout.tools",
-    "ParsedTurn": "vlmrl.rollout.tool_parsers",
-    "ToolCall": "vlmrl.rollout.tool_parsers",
-    "parse_qwen": "vlmrl.rollout.tool_parsers",
-    "ToolStatus": "vlmrl.rollout.tools",
-    "AgentLLM": "vlmrl.rollout.agent_runner_child",
-    "AgentTask": "vlmrl.rollout.agent_runner",
-    "RolloutRecord": "vlmrl.rollout.agent_runner",
-    "AgentStatus": "vlmrl.rollout.agent_runner",
-    "Call": "vlmrl.rollout.traces",
+    "tool": "vlmrl.rollout.turns.tools",
+    "ToolContext": "vlmrl.rollout.turns.tools",
+    "ToolResult": "vlmrl.rollout.turns.tools",
+    "ParsedTurn": "vlmrl.rollout.turns.tool_parsers",
+    "ToolCall": "vlmrl.rollout.turns.tool_parsers",
+    "parse_qwen": "vlmrl.rollout.turns.tool_parsers",
+    "ToolStatus": "vlmrl.rollout.turns.tools",
+    "AgentLLM": "vlmrl.rollout.agents.child",
+    "AgentTask": "vlmrl.rollout.agents.runner",
+    "RolloutRecord": "vlmrl.rollout.agents.runner",
+    "AgentStatus": "vlmrl.rollout.agents.runner",
+    "Call": "vlmrl.rollout.agents.traces",
+    "train": "vlmrl.launch",
+    "TrainResult": "vlmrl.launch",
     "Workflow": "vlmrl.rollout.workflow",
     "Context": "vlmrl.rollout.workflow",
     "Generation": "vlmrl.rollout.workflow",

@@ -53,11 +53,12 @@ def parse_config(cli_args: list[str]) -> Config:
     return config
 
 
-def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
+def parse(cli_args: list[str], base: dict | None = None) -> tuple[Config, list[str]]:
     """The config and every schema problem found, returned rather than raised so validation can add its own.
 
-    A missing YAML file or one that does not parse still raises ConfigError at
-    once: there is no config to check further.
+    ``base``: a config tree given as a mapping (``vlmrl.api.train(config={...})``), in place of a YAML file;
+    the ``key=value`` arguments go over it. A missing YAML file or one that does not parse still raises
+    ConfigError at once: there is no config to check further.
     """
     yaml_path = None
     overrides = []
@@ -76,7 +77,7 @@ def parse(cli_args: list[str]) -> tuple[Config, list[str]]:
         raise ConfigError([f"config={yaml_path}: no such file", *problems])
     try:
         merged = (
-            OmegaConf.load(yaml_path) if yaml_path is not None else OmegaConf.create({})
+            OmegaConf.load(yaml_path) if yaml_path is not None else OmegaConf.create(base or {})
         )
         emptied = [a.split("=", 1)[0] for a in overrides if _empties_mapping(a)]
         merged = OmegaConf.merge(

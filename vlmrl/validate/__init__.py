@@ -46,7 +46,10 @@ __all__ = ["load_config", "logger_problems", "validate"]
 
 
 def load_config(
-    cli_args: list[str], cluster: Cluster | None = None, pending: Callable[[], tuple[str, ...]] | None = None
+    cli_args: list[str],
+    cluster: Cluster | None = None,
+    pending: Callable[[], tuple[str, ...]] | None = None,
+    base: dict | None = None,
 ) -> Config:
     """Build the config from ``config=<yaml>`` and ``key=value`` arguments and validate it.
 
@@ -55,9 +58,9 @@ def load_config(
     wrong types and values, and broken invariants, all at once. ``pending``,
     asked once the arguments are parsed, gives the directories the run builds
     before it starts (``vlmrl.testing.resolvers.TinyResolver.pending``): paths
-    under them count as there and are not read.
+    under them count as there and are not read. ``base``: a config tree as a mapping, in place of a YAML file.
     """
-    config, problems = parse(cli_args)
+    config, problems = parse(cli_args, base)
     problems.extend(validate(config, cluster, pending() if pending is not None else ()))
     if problems:
         raise ConfigError(problems)
