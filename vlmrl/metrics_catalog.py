@@ -352,7 +352,7 @@ _TIMING = (
     Metric("timing_s/gen/requests", "Seconds of the rollout spent building the engine requests.",
            "single-turn rollouts"),
     Metric("timing_s/gen/engine", "Seconds of the rollout the engine stepped (multi-turn: its turns' "
-           "generation).", "single-turn and multi-turn rollouts (not external agents)"),
+           "generation; a workflow: its samples' requests).", "every rollout kind but external agents"),
     Metric("timing_s/gen/outputs", "Seconds of the rollout spent ordering the engine's outputs.",
            "single-turn rollouts in the workers' engines"),
     Metric("timing_s/gen/trajectories", "Seconds of the rollout spent making the workers' records of the samples.",
