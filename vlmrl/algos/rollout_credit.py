@@ -45,8 +45,8 @@ class TraceAggregation(ConfigEnum):
 
 MULTI_ROW_UNSUPPORTED: dict[AdvantageEstimator, str] = {
     AdvantageEstimator.remax: (
-        "ReMax's baseline is the reward of a greedy rollout of the same task; an external agent's rollout is "
-        "the agent's own program, so there is no greedy rollout to sample, only greedy single calls"
+        "ReMax's baseline is the reward of a greedy rollout of the same task; an agent's or a workflow's "
+        "rollout is its own program, so there is no greedy rollout to sample, only greedy single calls"
     ),
     AdvantageEstimator.gae: (
         "GAE bootstraps a critic's values along one token sequence; a rollout split into rows breaks that "
