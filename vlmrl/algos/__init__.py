@@ -17,6 +17,7 @@ re-exports the public names so callers have one import:
 * ``algos.logits``: log-probs and entropy from logits.
 * ``algos.rollout_correction``: importance weights of the trained policy over the engine's (TIS, MIS, IcePop,
   the veto) and the mismatch KL.
+* ``algos.distillation``: on-policy distillation's per-token signal from a teacher's log-probs.
 
 One registry per extension point, keyed by the config enum: adding an
 estimator or a loss is one function, one enum value and one registry entry.
@@ -44,6 +45,14 @@ from vlmrl.algos.decoupled import (
     behaviour_weight,
     policy_loss_decoupled,
     proximal_log_probs_loglinear,
+)
+from vlmrl.algos.distillation import (
+    DISTILL_ESTIMATORS,
+    DistillEstimator,
+    DistillMode,
+    distillation_metrics,
+    distillation_signal,
+    distilled_advantages,
 )
 from vlmrl.algos.groups import online_filter_keep, zero_advantage_groups
 from vlmrl.algos.normalisation import NormLevel, normalise_advantages, shape_rewards, shape_scores
@@ -95,6 +104,12 @@ __all__ = [
     "shape_rewards",
     "shape_scores",
     "ADVANTAGE_ESTIMATORS",
+    "DISTILL_ESTIMATORS",
+    "DistillEstimator",
+    "DistillMode",
+    "distillation_metrics",
+    "distillation_signal",
+    "distilled_advantages",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "MULTI_ROW_UNSUPPORTED",
