@@ -80,6 +80,11 @@ def uses_reference(config: Config) -> bool:
     return not config.algorithm.disable_kl
 
 
+def distills(config: Config) -> bool:
+    """Whether a frozen teacher runs for on-policy distillation: ``algorithm.distillation.teacher_path`` is set."""
+    return bool(config.algorithm.distillation.teacher_path)
+
+
 def kl_in_loss(config: Config) -> bool:
     """The KL to the reference is a term of the actor's loss (GRPO): ``use_kl_loss``, unless KL is disabled."""
     return uses_reference(config) and config.algorithm.use_kl_loss
@@ -239,6 +244,9 @@ class Plan:
     """Whether a frozen reference model is built and run (the KL term needs it)."""
     use_critic: bool
     """Whether a critic is trained (GAE)."""
+    use_teacher: bool
+    """Whether a frozen teacher is built and run (algorithm.distillation): its log-probs are needed, with the old
+    log-probs, before the advantages."""
     kl_in_loss: bool
     """The KL to the reference is a term of the actor's loss (algorithm.use_kl_loss, KL enabled)."""
     kl_in_reward: bool
@@ -359,6 +367,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         ref_dtype=weights_dtype(config, "ref"),
         use_reference=uses_reference(config),
         use_critic=use_critic,
+        use_teacher=distills(config),
         kl_in_loss=kl_in_loss(config),
         kl_in_reward=kl_in_reward(config),
         # Rollout servers on CPU compute with a core each, beside the trainers.
@@ -389,11 +398,11 @@ def _old_log_probs_from_update(config: Config) -> bool:
     With one update on the batch just sampled, the old policy is the current one, so
     ``ratio = exp(log_prob - old_log_prob)`` is 1 and the old log-probs are the update
     forward's own, detached. KL in the reward reads them before the advantages exist,
-    so it needs the pass.
+    so it needs the pass; so does distillation, whose signal is the teacher's log-probs less the old ones.
     """
     actor = config.worker.actor
     one_update = actor.ppo_epochs == 1 and actor.global_batch_size == config.data.rollout_batch_size
-    return actor.old_log_prob_pass == "auto" and one_update and not kl_in_reward(config)
+    return actor.old_log_prob_pass == "auto" and one_update and not kl_in_reward(config) and not distills(config)
 
 
 def _token_budget(config: Config, which: str) -> int | None:
@@ -460,6 +469,7 @@ def describe(plan: Plan, config: Config) -> str:
     holds = ["an FSDP actor shard" + (f" with LoRA adapters (rank {actor.model.lora.rank})" if lora else "")]
     # Under LoRA the reference pass runs on the actor with its adapters off: no reference shard.
     holds += ["a reference shard"] * (plan.use_reference and not lora) + ["a critic shard"] * plan.use_critic
+    holds += ["a distillation teacher shard"] * plan.use_teacher
     dtypes = f"actor {plan.actor_dtype}" + (f", reference {plan.ref_dtype}" if plan.use_reference else "")
     steps = f"{trainer.total_epochs} epoch(s) x (train prompts // {config.data.rollout_batch_size})"
     if trainer.max_steps:
@@ -531,6 +541,11 @@ def describe(plan: Plan, config: Config) -> str:
             else f"in its own actor ({f'{rm.num_gpus:g} GPU' if plan.device == 'cuda' else f'{rm.num_cpus} CPU'})"
         )
         lines.insert(len(lines) - 2, f"reward model: {rm.kind.value} {rm.model_path}, {rm.dtype.value}, {where}")
+    if plan.use_teacher:
+        d = config.algorithm.distillation
+        signal = f"{d.coef:g} x {d.estimator.value}"
+        how = f"the advantage is {signal}" if d.mode == "replace" else f"the advantage gets {signal} added"
+        lines.insert(len(lines) - 2, f"distillation: teacher {d.teacher_path} ({plan.ref_dtype}); {how}, per token")
     return "\n".join(lines + [f"note: {note}" for note in plan.notes])
 
 

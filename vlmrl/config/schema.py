@@ -27,6 +27,8 @@ from vlmrl.algos import (
     BehaviourWeightMode,
     CorrectionLevel,
     CorrectionMode,
+    DistillEstimator,
+    DistillMode,
     KLControllerType,
     KLEstimator,
     LossAvgMode,
@@ -73,6 +75,7 @@ __all__ = [
     "Config",
     "CriticConfig",
     "DataConfig",
+    "DistillationConfig",
     "FSDPConfig",
     "LoraConfig",
     "ModelConfig",
@@ -187,6 +190,27 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillationConfig:
+    """vlmrl addition (on-policy distillation, as TRL's GKD and the on-policy distillation write-ups): a frozen
+    teacher computes the log-probs of the tokens the student sampled, and each trained token gets the signal
+    log pi_teacher - log pi_student (minus the per-token reverse KL), scaled by coef, in its advantage. The teacher
+    is loaded on every training worker as the reference model is (worker.ref.fsdp, the reference's dtype) and must
+    share the student's tokenizer. Multi-turn rows distil the model's own tokens only (the loss mask)."""
+
+    teacher_path: str = ""
+    """The teacher: a local HF model directory with the student's tokenizer (checked before the run starts); may
+    differ from the student in size. Empty: no distillation."""
+    coef: float = 1.0
+    """The weight of the teacher's per-token signal in the advantage."""
+    mode: DistillMode = DistillMode.add
+    """add (the reward's advantage plus coef x the signal) or replace (coef x the signal is the whole advantage;
+    the reward function still runs, and its scores are logged and validated, but do not train)."""
+    estimator: DistillEstimator = DistillEstimator.reverse_kl
+    """The per-token signal: reverse_kl (log pi_teacher(y_t) - log pi_student(y_t) on the sampled token, the student's
+    being its old log-probs)."""
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor of returns (GAE, REINFORCE++)."""
@@ -235,6 +259,8 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """vlmrl addition: importance weights for the mismatch between the engine that samples and the actor that
     trains (TIS, MIS, IcePop, the veto), at token or sequence level."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """vlmrl addition: on-policy distillation from a frozen teacher's per-token log-probs."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from vlmrl.validate.workflow import workflow_problems
 from vlmrl.validate.async_rl import async_problems
 from vlmrl.validate.reward_model import reward_model_problems
 from vlmrl.validate.rollout_correction import rollout_correction_problems
+from vlmrl.validate.distillation import distillation_problems
 from vlmrl.validate.normalisation import normalisation_problems
 from vlmrl.validate.features import (
     device_problems,
@@ -86,6 +87,7 @@ def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str,
         *estimator_problems(config),
         *normalisation_problems(config),
         *rollout_correction_problems(config),
+        *distillation_problems(config, pending),
         *loss_mode_problems(config),
         *proximal_problems(config),
         *lora_problems(config),
