@@ -195,6 +195,17 @@ _MISMATCH = (
     Metric("rollout_corr/vetoed_seq_frac", "Share of sequences the veto dropped whole.", _RC),
 )
 
+_DISTILL = "algorithm.distillation.teacher_path set"
+
+_DISTILLATION = (
+    Metric("distill/reverse_kl", "Mean over the trained tokens of log pi_student - log pi_teacher on the sampled "
+           "token (the student's old log-probs): a k1 estimate of KL(student || teacher) in nats per token. It "
+           "should fall as the student learns from the teacher; 0 when they agree.", _DISTILL),
+    Metric("distill/signal_mean", "Mean over the trained tokens of what the teacher added to the advantages, "
+           "algorithm.distillation.coef x the signal (reverse_kl: log pi_teacher - log pi_student); it rises "
+           "towards 0 from below as the student's samples become ones the teacher also likes.", _DISTILL),
+)
+
 _MULTI_TURN = (
     Metric("agent/turns/mean", "Mean model turns per trajectory (an external agent's row: its calls).", _TURNS),
     Metric("agent/turns/max", "Most model turns of a trajectory this step.", _TURNS),
@@ -339,6 +350,7 @@ _TIMING = (
     Metric("timing_s/old", "Seconds of the old-log-prob pass.", "when that pass runs (not when the update's "
            "forward gives the old log-probs)"),
     Metric("timing_s/ref", "Seconds of the reference log-prob pass.", "with a reference model"),
+    Metric("timing_s/teacher", "Seconds of the distillation teacher's log-prob pass.", _DISTILL),
     Metric("timing_s/values", "Seconds of the critic's value pass.", "algorithm.adv_estimator=gae"),
     Metric("timing_s/reward", "Seconds waited for the rewards after the log-prob passes (the scoring they did not "
            "hide)."),
@@ -458,6 +470,8 @@ SECTIONS: tuple[tuple[str, str, tuple[Metric, ...]], ...] = (
     ("Rollout correction", "The rollout-training mismatch (the engine's log-probs against the actor's old or "
      "proximal ones) and what algorithm.rollout_correction did about it; computed on the driver over the whole "
      "batch.", _MISMATCH),
+    ("Distillation", "On-policy distillation: how far the student is from the teacher on the student's own "
+     "samples, and what the teacher's signal added to the advantages (algorithm.distillation).", _DISTILLATION),
     ("Multi-turn agents", "Multi-turn rollouts with tools or an environment (worker.rollout.multi_turn); the turn, "
      "image and token counts also for the rows of external agents.", _MULTI_TURN),
     ("External agents", "Agents that call the model through vlmrl's OpenAI-compatible endpoint, and how their "

@@ -1,6 +1,6 @@
 """The driver's advantage stage: token-level rewards (shaped by algorithm.reward_scaling, reward_bias and
 reward_clip, with the KL penalty folded in when the KL is in the reward), then the configured estimator, then
-algorithm.adv_norm.
+algorithm.adv_norm, then, with algorithm.distillation, the teacher's per-token signal (added, or in place of it).
 
 The estimator's ``EstimatorSpec`` says what it takes (a critic's values, a greedy
 baseline, config knobs); nothing here tests an estimator's name.
@@ -37,10 +37,13 @@ class Advantages:
 
 
 class AdvantageStage:
-    def __init__(self, algo: AlgorithmConfig, kl_in_reward: bool, per_rollout: bool = False):
+    def __init__(self, algo: AlgorithmConfig, kl_in_reward: bool, per_rollout: bool = False, distills: bool = False):
         """``per_rollout``: rows come from external agents' rollouts, several rows to a rollout; the estimator
-        runs on one entry per rollout and its advantage goes to every row (``algos.rollout_advantages``)."""
+        runs on one entry per rollout and its advantage goes to every row (``algos.rollout_advantages``).
+        ``distills``: the batch carries a teacher's log-probs (``plan.use_teacher``), and its signal joins the
+        advantages as ``algorithm.distillation`` says."""
         self.algo, self.per_rollout = algo, per_rollout
+        self.distillation = algo.distillation if distills else None
         self.spec = algos.ADVANTAGE_ESTIMATORS[algo.adv_estimator]
         self.kl_controller = None
         if kl_in_reward:
@@ -91,7 +94,20 @@ class AdvantageStage:
                 batch.reward_baselines, a.reward_scaling, a.reward_bias, a.reward_clip
             )
         advantages, returns = self.spec.fn(rewards, batch.response_mask, batch.group_ids, **kwargs)
-        return Advantages(rewards, self._normalised(advantages, batch), returns, metrics)
+        advantages = self._normalised(advantages, batch)
+        if self.distillation is not None:
+            advantages, distill_metrics = self._distilled(advantages, batch)
+            metrics = {**metrics, **distill_metrics}
+        return Advantages(rewards, advantages, returns, metrics)
+
+    def _distilled(self, advantages: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages with the teacher's per-token signal (``algos.distillation``), and its metrics."""
+        d = self.distillation
+        batch.require("old_log_probs", "teacher_log_probs")
+        student, teacher, mask = batch.old_log_probs, batch.teacher_log_probs, batch.response_mask
+        signal = algos.distillation_signal(student, teacher, mask, d.estimator)
+        combined = algos.distilled_advantages(advantages, signal, mask, d.coef, d.mode)
+        return combined, algos.distillation_metrics(student, teacher, signal, mask, d.coef)
 
     def _shaped(self, scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         a = self.algo

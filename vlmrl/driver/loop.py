@@ -115,7 +115,8 @@ class TrainingLoop:
         # prompt's rows vary (then the sampler computes the advantages and trims the rows to mini-batches).
         self.kind = workflows.properties(config)
         self.advantages = AdvantageStage(
-            config.algorithm, plan.kl_in_reward, per_rollout=self.kind.credit is Credit.per_rollout
+            config.algorithm, plan.kl_in_reward, per_rollout=self.kind.credit is Credit.per_rollout,
+            distills=plan.use_teacher,
         )
         self.sampler: Sampler
         if rollout.async_rl.enable:  # groups admitted ahead under a staleness bound, scored while the trainer trains
@@ -188,8 +189,8 @@ class TrainingLoop:
                     rollout = self.sampler.sample(prompts, self._more_prompts)
                 gen_pieces = self.workers.take_rollout_timings()  # the engine's share of "gen", and the rest
                 batch = rollout.batch
-                # 2. Log-probs under the current and the reference policy, and the critic's values,
-                #    while the rewards are computed.
+                # 2. Log-probs under the current and the reference policy (and a distillation teacher), and
+                #    the critic's values, while the rewards are computed.
                 # With one on-policy update per step, the update's forward gives the old log-probs (update_policy).
                 old_from_update = self.plan.old_log_probs_from_forward(step, len(batch), rollout.on_policy)
                 entropy = None
@@ -199,6 +200,9 @@ class TrainingLoop:
                 if self.plan.use_reference:
                     with timer("ref", timings):
                         batch.ref_log_probs = self.workers.compute_ref_log_probs(batch)
+                if self.plan.use_teacher:  # on-policy distillation: the teacher scores the student's tokens
+                    with timer("teacher", timings):
+                        batch.teacher_log_probs = self.workers.compute_teacher_log_probs(batch)
                 if self.plan.use_critic:
                     with timer("values", timings):
                         batch.values = self.workers.compute_values(batch)

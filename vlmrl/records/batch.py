@@ -54,6 +54,8 @@ class Batch:
     """(B, R) actor log-probs before the update."""
     ref_log_probs: torch.Tensor | None = None
     """(B, R) frozen reference model log-probs."""
+    teacher_log_probs: torch.Tensor | None = None
+    """(B, R) the distillation teacher's log-probs of the sampled tokens (algorithm.distillation)."""
     token_level_scores: torch.Tensor | None = None
     """(B, R) the scalar reward placed on the last trained token."""
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)

@@ -417,6 +417,11 @@ class WorkerGroup:
         inputs, parts = self.scatter(batch)
         return self.gather(self.call(HybridWorker.compute_ref_log_probs, [(x,) for x in inputs]), parts)
 
+    def compute_teacher_log_probs(self, batch: Batch) -> torch.Tensor:
+        """The distillation teacher's log-probs of the sampled tokens, ``(B, R)`` in the batch's row order."""
+        inputs, parts = self.scatter(batch)
+        return self.gather(self.call(HybridWorker.compute_teacher_log_probs, [(x,) for x in inputs]), parts)
+
     def compute_values(self, batch: Batch) -> torch.Tensor:
         inputs, parts = self.scatter(batch)
         return self.gather(self.call(HybridWorker.compute_values, [(x,) for x in inputs]), parts)

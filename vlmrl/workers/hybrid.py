@@ -135,6 +135,9 @@ class HybridWorker:
     def compute_ref_log_probs(self, request: PassInput) -> torch.Tensor:
         return self.trainer.compute_ref_log_probs(request)
 
+    def compute_teacher_log_probs(self, request: PassInput) -> torch.Tensor:
+        return self.trainer.compute_teacher_log_probs(request)
+
     def compute_values(self, request: PassInput) -> torch.Tensor:
         return self.trainer.compute_values(request)
 

@@ -1,5 +1,6 @@
 """The trainer role: the FSDP2 actor and its optimizer, the frozen reference policy (unless KL is disabled),
-the critic and its optimizer (GAE only), and the trajectories of the step (``TrajectoryStore``).
+the frozen distillation teacher (algorithm.distillation), the critic and its optimizer (GAE only), and the
+trajectories of the step (``TrajectoryStore``).
 
 Each pass takes a ``PassInput`` (row ids, the rows this worker does not hold
 yet, per-token fields) and works on this worker's share of the batch. The
@@ -138,6 +139,12 @@ class TrainerWorker:
             ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
             self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding, None, overrides)
             self.ref.eval().requires_grad_(False)
+        self.teacher = None
+        if plan.use_teacher:  # on-policy distillation: a frozen model loaded as the reference is
+            teacher_path = config.algorithm.distillation.teacher_path
+            ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
+            self.teacher = _load_sharded(teacher_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding)
+            self.teacher.eval().requires_grad_(False)
         self.critic = self.critic_optimizer = None
         if plan.use_critic:
             critic_cfg = config.worker.critic
@@ -156,6 +163,9 @@ class TrainerWorker:
             self.offloaders |= offloaders("ref", self.ref, None, ref_cfg.offload, ref_cfg.fsdp, device)
         else:
             self.offloaders["ref"] = self.offloaders["actor"]
+        if self.teacher is not None:
+            ref_cfg = config.worker.ref
+            self.offloaders |= offloaders("teacher", self.teacher, None, ref_cfg.offload, ref_cfg.fsdp, device)
         if self.critic is not None:
             critic_cfg = config.worker.critic
             self.offloaders |= offloaders(
@@ -169,6 +179,9 @@ class TrainerWorker:
             self.reference = ReferencePolicy(self.ref if self.ref is not None else self.actor, self.lora is not None)
         self.allowed_tokens = sampling_mask(self.tokenizer, self.actor.config.get_text_config().vocab_size)
         """The tokens a response may hold; the log-probs are restricted to them as the rollout's sampling is."""
+        self.teacher_tokens = None
+        if self.teacher is not None:  # the same tokenizer (validated), but the teacher's vocabulary may be padded
+            self.teacher_tokens = sampling_mask(self.tokenizer, self.teacher.config.get_text_config().vocab_size)
         self.experience_batching = MicroBatching(
             actor_cfg.micro_batch_size_per_device_for_experience,
             plan.experience_token_budget,
@@ -224,6 +237,17 @@ class TrainerWorker:
                 self.reference.model, self.store.batch(request), self.experience_batching, self.allowed_tokens,
                 self.experience_tokens, with_entropy=False,
             )  # fmt: skip
+        return log_probs
+
+    @uses("teacher")
+    def compute_teacher_log_probs(self, request: PassInput) -> torch.Tensor:
+        """``(b, R)`` the distillation teacher's log-probs of the sampled tokens (``algorithm.distillation``)."""
+        if self.teacher is None:
+            raise RuntimeError("teacher log-probs requested but the run has no teacher (algorithm.distillation)")
+        log_probs, _ = actor_passes.compute_log_probs(
+            self.teacher, self.store.batch(request), self.experience_batching, self.teacher_tokens,
+            self.experience_tokens, with_entropy=False,
+        )  # fmt: skip
         return log_probs
 
     # ---------------------------------------------------------------- update
