@@ -1,4 +1,4 @@
-"""What the FSDP memory options of a model section become in FSDP2, and the
+"""What the FSDP options of a model section (memory, mesh) become in FSDP2, and the
 moves between device and host memory that ``offload.*`` asks for.
 
 - ``fsdp.enable_full_shard=false``: ``reshard_after_forward=False``; the
@@ -18,6 +18,17 @@ moves between device and host memory that ``offload.*`` asks for.
   compute and bf16 reduction both run, so nothing is refused there.
 - ``fsdp.mp_buffer_dtype``: FSDP2 does not manage buffers, so the floating
   buffers (Qwen-VL's rotary ``inv_freq``) are cast once before sharding.
+- ``fsdp.fsdp_size``: the device mesh (``Meshes``). -1 (or the world size)
+  shards every parameter over all workers (a 1-D mesh). A divisor of the
+  world size gives hybrid sharding (HSDP): a 2-D mesh ``("replicate",
+  "shard")`` of ``world / fsdp_size`` groups of ``fsdp_size`` ranks, each
+  parameter sharded within a group and replicated across the groups;
+  ``fully_shard`` reduce-scatters the gradients within a group and
+  all-reduces them across groups, so the update is FSDP's over all workers.
+  A group is ``fsdp_size`` consecutive ranks (``init_device_mesh`` lays the
+  ranks out row by row) and the workers' ranks fill one node after another
+  (``vlmrl.workers.group``), so when ``fsdp_size`` divides
+  ``trainer.n_gpus_per_node`` each group's all-gathers stay within a node.
 - ``offload.offload_params`` / ``offload_optimizer``: an ``Offloader`` moves
   the model's parameters / the optimizer's states to host memory after each
   pass and back before the next (the worker marks its methods with ``uses``).
@@ -35,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from vlmrl.config import Config, FSDPConfig, OffloadConfig
@@ -97,9 +109,47 @@ def with_host_collectives(backend: str, config: Config) -> str:
     return backend
 
 
+MESH_DIMS = ("replicate", "shard")
+"""The names of a hybrid-sharding mesh's dimensions: across the groups, within a group."""
+
+
+def mesh_shape(world_size: int, fsdp_size: int) -> tuple[int, ...]:
+    """``(world,)`` to shard over all workers, or ``(world / fsdp_size, fsdp_size)`` for hybrid sharding.
+
+    >>> mesh_shape(4, -1), mesh_shape(4, 4), mesh_shape(4, 2)
+    ((4,), (4,), (2, 2))
+    """
+    if fsdp_size == -1 or fsdp_size == world_size:
+        return (world_size,)
+    if fsdp_size < 1 or world_size % fsdp_size:
+        # Validation refuses these (vlmrl.validate.features); a caller that skipped it gets the same reason.
+        raise ValueError(f"fsdp.fsdp_size={fsdp_size} must be -1 or divide the {world_size} worker(s)")
+    return (world_size // fsdp_size, fsdp_size)
+
+
+class Meshes:
+    """The device meshes of one worker's models, one per shape: models with the same ``fsdp_size`` share one.
+
+    Building a mesh creates its process groups, a collective every rank must
+    join in the same order, so the worker asks for its models' meshes in one
+    order on every rank.
+    """
+
+    def __init__(self, device: str, world_size: int):
+        self.device, self.world_size = device, world_size
+        self._built: dict[tuple[int, ...], DeviceMesh] = {}
+
+    def of(self, fsdp: FSDPConfig) -> DeviceMesh:
+        shape = mesh_shape(self.world_size, fsdp.fsdp_size)
+        if shape not in self._built:
+            names = MESH_DIMS[-len(shape):]
+            self._built[shape] = init_device_mesh(self.device, shape, mesh_dim_names=names)
+        return self._built[shape]
+
+
 def shard(model: torch.nn.Module, layer_classes: list[str], mesh, options: ShardOptions) -> torch.nn.Module:
     """Shard ``model`` with FSDP2, one unit per module of ``layer_classes`` (decoder layers, vision blocks), then
-    the rest."""
+    the rest. A 2-D ``mesh`` (``Meshes``) shards within its last dimension and replicates across its first."""
     options.cast_buffers(model)
     for module in model.modules():
         if type(module).__name__ in set(layer_classes):

@@ -13,6 +13,9 @@ The names are the module's ``state_dict`` names, which for a FSDP2-sharded HF
 VLM are the HF checkpoint names (``model.visual.*``, ``model.language_model.*``,
 ``lm_head.*``) that vLLM's ``reload_weights`` expects.
 
+Under hybrid sharding (``fsdp.fsdp_size``) each rank gathers from its own
+shard group: the other groups hold the same shards.
+
 The all-gathers are collectives: every rank walks the same state dict in the
 same order with the same bucket plan (both depend only on names, shapes and
 dtypes, which all ranks share), and every rank must consume the whole stream.
@@ -30,14 +33,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
+def _shard_dim(tensor: torch.Tensor) -> int | None:
+    """The mesh dimension a tensor this module gathers itself is sharded over, else None.
+
+    Such a tensor is a DTensor sharded on its dim 0 over one mesh dimension and
+    replicated over any others: FSDP2's layout on a 1-D mesh ``(Shard(0),)``,
+    and hybrid sharding's on a 2-D one ``(Replicate(), Shard(0))``, where the
+    all-gather runs within a shard group only.
+    """
+    if not isinstance(tensor, DTensor) or tensor.dim() == 0:
+        return None
+    placements = tuple(tensor.placements)
+    sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(sharded) != 1 or not all(p.is_replicate() for i, p in enumerate(placements) if i != sharded[0]):
+        return None
+    return sharded[0]
+
+
 def _bucketable(tensor: torch.Tensor) -> bool:
-    """A tensor this module gathers itself: a DTensor sharded on dim 0 over a 1-D mesh (what FSDP2 makes)."""
-    return (
-        isinstance(tensor, DTensor)
-        and tensor.device_mesh.ndim == 1
-        and tuple(tensor.placements) == (Shard(0),)
-        and tensor.dim() > 0
-    )
+    """A tensor gathered in buckets (``_shard_dim``); any other is gathered on its own."""
+    return _shard_dim(tensor) is not None
 
 
 def _shard_numel(tensor: torch.Tensor, world: int) -> int:
@@ -95,7 +110,7 @@ class BucketedGather:
         sizes = []
         for name, t in state.items():
             wire_dtype = dtype or t.dtype
-            key = (wire_dtype, t.device_mesh) if _bucketable(t) else None
+            key = (wire_dtype, t.device_mesh, _shard_dim(t)) if _bucketable(t) else None
             sizes.append((name, t.numel() * wire_dtype.itemsize, key))
         self.largest_bucket_bytes = 0
         for names in plan_buckets(sizes, self.bucket_bytes):
@@ -111,8 +126,8 @@ class BucketedGather:
             full = first.full_tensor() if isinstance(first, DTensor) else first
             yield items[0][0], full if dtype is None else full.to(dtype)
             return
-        group = first.device_mesh.get_group()
-        world, rank = first.device_mesh.size(), first.device_mesh.get_local_rank()
+        mesh, dim = first.device_mesh, _shard_dim(first)
+        group, world, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
         if world == 1:  # the shards are the whole tensors: nothing to gather or copy
             for name, t in items:
                 yield name, t.to_local().detach() if dtype is None else t.to_local().detach().to(dtype)

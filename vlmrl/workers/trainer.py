@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
 from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan, weights_dtype
@@ -30,7 +29,7 @@ from vlmrl.train import checkpoint as ckpt
 from vlmrl.train import critic as critic_passes
 from vlmrl.train import lora as lora_adapters
 from vlmrl.train.critic import ValueModel
-from vlmrl.train.fsdp_options import ShardOptions, offloaders, shard, uses, with_host_collectives
+from vlmrl.train.fsdp_options import Meshes, ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
 from vlmrl.train.image_features import share_image_features
 from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
@@ -115,7 +114,7 @@ class TrainerWorker:
             world_size=plan.world_size,
             timeout=timedelta(minutes=30),
         )
-        mesh = init_device_mesh(device, (plan.world_size,))
+        meshes = Meshes(device, plan.world_size)  # fsdp.fsdp_size: one mesh per shape, in the same order on all ranks
         torch.manual_seed(config.data.seed + rank)
 
         model_path = actor_cfg.model.model_path
@@ -127,7 +126,9 @@ class TrainerWorker:
         self.lora = actor_cfg.model.lora if actor_cfg.model.lora.rank > 0 else None
         actor_sharding = ShardOptions.from_config(actor_cfg.fsdp, device)
         overrides = dict(actor_cfg.model.override_config)
-        self.actor = _load_sharded(model_path, dtype, mesh, trust, actor_sharding, self.lora, overrides)
+        self.actor = _load_sharded(
+            model_path, dtype, meshes.of(actor_cfg.fsdp), trust, actor_sharding, self.lora, overrides
+        )
         if actor_cfg.model.freeze_vision_tower:
             for p in self.actor.model.visual.parameters():
                 p.requires_grad_(False)
@@ -137,13 +138,16 @@ class TrainerWorker:
         self.ref = None
         if plan.use_reference and self.lora is None:  # under LoRA the reference is the actor, adapters off
             ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
-            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding, None, overrides)
+            ref_mesh = meshes.of(config.worker.ref.fsdp)
+            self.ref = _load_sharded(model_path, _dtype(plan.ref_dtype), ref_mesh, trust, ref_sharding, None, overrides)
             self.ref.eval().requires_grad_(False)
         self.teacher = None
         if plan.use_teacher:  # on-policy distillation: a frozen model loaded as the reference is
             teacher_path = config.algorithm.distillation.teacher_path
             ref_sharding = ShardOptions.from_config(config.worker.ref.fsdp, device)
-            self.teacher = _load_sharded(teacher_path, _dtype(plan.ref_dtype), mesh, trust, ref_sharding)
+            self.teacher = _load_sharded(
+                teacher_path, _dtype(plan.ref_dtype), meshes.of(config.worker.ref.fsdp), trust, ref_sharding
+            )
             self.teacher.eval().requires_grad_(False)
         self.critic = self.critic_optimizer = None
         if plan.use_critic:
@@ -153,7 +157,8 @@ class TrainerWorker:
                 dict(critic_cfg.model.override_config),
             )
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
-            self.critic = shard(value_model, value_model.no_split_modules, mesh, critic_sharding)
+            critic_mesh = meshes.of(critic_cfg.fsdp)
+            self.critic = shard(value_model, value_model.no_split_modules, critic_mesh, critic_sharding)
             self.critic_optimizer = adamw(self.critic, critic_cfg.optim)
         # offload.*: what stays in host memory between the passes that use it (no-ops on CPU). Under LoRA
         # the reference pass runs on the actor, so "ref" names the actor's parameters.
