@@ -5,9 +5,10 @@ Layout under ``<checkpoint>/actor/``: the DCP files (``.metadata``,
 ``*.distcp``), ``rng_rank<r>.pt``, and ``huggingface/`` with the model's
 config, generation config and processor (weights only when HF weights are
 asked for), which is what ``vlmrl.export`` needs to rebuild a HF directory.
-A LoRA actor's DCP files hold its base weights and adapters under the
-injected names (``<m>.base_layer.weight``, ``<m>.lora_A.default.weight``), and
-``lora.json`` holds the LoRA settings that merging them needs.
+A LoRA actor's (or critic's, under ``critic/``) DCP files hold its base
+weights and adapters under the injected names (``<m>.base_layer.weight``,
+``<m>.lora_A.default.weight``), and ``lora.json`` holds the LoRA settings
+that merging them, and resuming into the same adapters, need.
 """
 
 from __future__ import annotations
@@ -93,11 +94,15 @@ def _describe_lora(lora: LoraConfig | None) -> str:
     )
 
 
-def check_lora_matches(path: Path, lora: LoraConfig | None) -> None:
-    """A checkpoint's adapters load only into a model with the same adapters; say which settings differ."""
+def check_lora_matches(path: Path, lora: LoraConfig | None, key: str = "worker.actor.model.lora") -> None:
+    """A checkpoint's adapters load only into a model with the same adapters; say which settings differ.
+
+    ``key`` is the config section of the model saved at ``path`` (the actor's, or the critic's).
+    """
     saved = load_lora_config(path)
     if saved != lora:
+        model = key.split(".")[1]
         raise ValueError(
-            f"{path}: the checkpoint's actor has {_describe_lora(saved)} but worker.actor.model.lora has "
+            f"{path}: the checkpoint's {model} has {_describe_lora(saved)} but {key} has "
             f"{_describe_lora(lora)}; resume with the checkpoint's LoRA settings"
         )

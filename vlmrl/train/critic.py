@@ -7,6 +7,11 @@ to one scalar per position. The head starts at zero, so the first values are
 0 on every worker (identical before sharding) and the critic starts as a
 neutral baseline.
 
+With ``worker.critic.model.lora.rank`` > 0 the backbone gets LoRA adapters
+(``vlmrl.train.lora``) and its own weights are frozen; the value head, made
+after the adapters, is trained whole. The critic's weights never reach vLLM,
+so its adapters are never merged: its checkpoints hold them as they are.
+
 Its passes batch and lay out tokens as the actor's do (``MicroBatching``):
 fixed micro-batches of rows of similar length, trimmed of the columns every
 row pads, or token-budget micro-batches, or packed rows without padding.
@@ -17,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vlmrl.config import Config
+from vlmrl.config import Config, LoraConfig
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
 from vlmrl import algos
@@ -25,6 +30,7 @@ from vlmrl.algos import LossAvgMode
 from vlmrl.train import packing
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.image_features import share_image_features
+from vlmrl.train.lora import add_lora
 from vlmrl.train.models import load_pretrained
 from vlmrl.train.micro_batches import MicroBatching, merged_mm_inputs
 from vlmrl.train.update_loop import run_epochs
@@ -42,10 +48,20 @@ class ValueModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_path: str, dtype: torch.dtype, trust_remote_code: bool, override_config: dict | None = None
+        cls,
+        model_path: str,
+        dtype: torch.dtype,
+        trust_remote_code: bool,
+        override_config: dict | None = None,
+        lora: LoraConfig | None = None,
     ) -> ValueModel:
+        """The critic of ``model_path``; with ``lora``, adapters in its backbone and the backbone frozen."""
         vlm = load_pretrained(model_path, dtype, trust_remote_code, override_config)  # a VLM, or a text causal LM
         share_image_features(vlm)  # each distinct image of a pass through the vision tower once
+        if lora is not None:
+            # On the whole LM, so peft's all-linear leaves out its output head as it does for the actor; the head
+            # is dropped just below. Before the value head exists, which peft would otherwise freeze.
+            add_lora(vlm, lora, "worker.critic.model.lora")
         model = cls(vlm.model, vlm.config.get_text_config().hidden_size, dtype)
         model.no_split_modules = list(getattr(vlm, "_no_split_modules", None) or [])
         return model

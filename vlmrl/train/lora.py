@@ -1,4 +1,4 @@
-"""LoRA on the actor through peft, and the merged weights that vLLM and HF exports get.
+"""LoRA on the actor and the critic through peft, and the merged weights that vLLM and HF exports get.
 
 Adapters are injected into the HF model in place (peft's ``inject_adapter_in_model``),
 before FSDP2 shards it: the actor stays the HF module it was, each targeted
@@ -9,6 +9,10 @@ and ``<module>.lora_B.default``. Only the adapters require grad, so the optimize
 deliberately not wrapped in a ``PeftModel``: the passes, the batching and the
 checkpoint code keep the HF model's attributes (``model.visual``, ``config``,
 ``save_pretrained``) and names without peft's ``base_model.model.`` prefix.
+
+A LoRA critic (``vlmrl.train.critic.ValueModel``) gets its adapters the same
+way, in its backbone, before its value head is made: the head is new, so it is
+trained whole, beside the adapters.
 
 The reference model under LoRA is this same module with its adapters switched
 off (``adapters_disabled``): the base weights, with no second copy loaded.
@@ -41,7 +45,7 @@ ADAPTER = "default"
 
 
 def peft_config(cfg: LoraConfig) -> peft.LoraConfig:
-    """The peft config of ``worker.actor.model.lora`` (rank > 0)."""
+    """The peft config of a ``model.lora`` section (rank > 0)."""
     targets = cfg.target_modules.strip()
     return peft.LoraConfig(
         r=cfg.rank,
@@ -59,17 +63,18 @@ def scaling(cfg: LoraConfig) -> float:
     return cfg.alpha / cfg.rank
 
 
-def add_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """Inject LoRA adapters into ``model`` in place (before sharding); return it.
+def add_lora(model: torch.nn.Module, cfg: LoraConfig, key: str = "worker.actor.model.lora") -> torch.nn.Module:
+    """Inject LoRA adapters into ``model`` in place (before sharding) and freeze the rest; return it.
 
     Raises ``ValueError`` when the targets select no module, or a module that
-    is not a Linear layer (``merged_weights`` merges Linear adapters only).
+    is not a Linear layer (``merged_weights`` merges Linear adapters only);
+    the message names the config section ``key``.
     """
     try:
         peft.inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
     except ValueError as e:  # peft's "No modules were targeted for adaptation", and its other config errors
         raise ValueError(
-            f"worker.actor.model.lora: target_modules={cfg.target_modules!r} with exclude_modules="
+            f"{key}: target_modules={cfg.target_modules!r} with exclude_modules="
             f"{cfg.exclude_modules!r} selects no module of the model, or peft refused it ({e}); "
             "name its Linear layers (e.g. q_proj,v_proj)"
         ) from e
@@ -78,9 +83,9 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
                    if not isinstance(m, LoraLinear))  # fmt: skip
     if other:
         raise ValueError(
-            f"worker.actor.model.lora.target_modules={cfg.target_modules!r} selects layers that are not Linear: "
+            f"{key}.target_modules={cfg.target_modules!r} selects layers that are not Linear: "
             f"{', '.join(other[:5])}; vlmrl merges adapters of Linear layers only, so name Linear modules "
-            "or exclude these with worker.actor.model.lora.exclude_modules"
+            f"or exclude these with {key}.exclude_modules"
         )
     return model
 

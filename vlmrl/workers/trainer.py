@@ -149,12 +149,13 @@ class TrainerWorker:
                 teacher_path, _dtype(plan.ref_dtype), meshes.of(config.worker.ref.fsdp), trust, ref_sharding
             )
             self.teacher.eval().requires_grad_(False)
-        self.critic = self.critic_optimizer = None
+        self.critic = self.critic_optimizer = self.critic_lora = None
         if plan.use_critic:
             critic_cfg = config.worker.critic
+            self.critic_lora = critic_cfg.model.lora if critic_cfg.model.lora.rank > 0 else None
             value_model = ValueModel.from_pretrained(
                 plan.critic_model_path, _dtype(weights_dtype(config, "critic")), critic_cfg.model.trust_remote_code,
-                dict(critic_cfg.model.override_config),
+                dict(critic_cfg.model.override_config), self.critic_lora,
             )
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
             critic_mesh = meshes.of(critic_cfg.fsdp)
@@ -323,6 +324,8 @@ class TrainerWorker:
             ckpt.save_lora_config(actor_dir, self.lora)
         if self.critic is not None:
             ckpt.save_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank, model_only)
+            if self.critic_lora is not None and self.rank == 0:
+                ckpt.save_lora_config(Path(path) / "critic", self.critic_lora)
         if self.rank == 0:  # every rank steps its schedule alike; also in model-only checkpoints
             self.schedule_states["actor"].save(actor_dir)
             if self.critic is not None:
@@ -350,6 +353,7 @@ class TrainerWorker:
         ckpt.check_lora_matches(Path(path) / "actor", self.lora)
         restored_optimizer = ckpt.load_actor(Path(path) / "actor", self.actor, self.optimizer, self.rank)
         if self.critic is not None and (Path(path) / "critic").is_dir():
+            ckpt.check_lora_matches(Path(path) / "critic", self.critic_lora, "worker.critic.model.lora")
             ckpt.load_actor(Path(path) / "critic", self.critic, self.critic_optimizer, self.rank)
         for model in ("actor", "critic"):
             # A checkpoint from before schedules were saved starts its schedule over.
