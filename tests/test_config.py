@@ -1018,11 +1018,28 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
                 ),
             ],
         ),
+        # LoRA (the critic's, when the run trains one)
         (
-            [*GAE, "worker.critic.model.lora.rank=8"],
+            [*GAE, "worker.critic.model.lora.rank=8", "worker.critic.model.lora.alpha=0"],
+            CPU,
+            ["worker.critic.model.lora.alpha=0: must be positive (the update is scaled by alpha / rank); e.g. 16"],
+        ),
+        # fsdp.fsdp_size: -1 or a divisor of the workers (2 x 2 here)
+        (
+            ["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "worker.actor.fsdp.fsdp_size=3"],
+            GPUS,
+            [
+                "worker.actor.fsdp.fsdp_size=3 does not divide the 4 worker(s) (trainer.n_gpus_per_node x "
+                "trainer.nnodes): each shard group holds fsdp_size workers; set -1 to shard over all of them, or one "
+                "of [1, 2, 4] for hybrid sharding"
+            ],
+        ),
+        (
+            [*GAE, "algorithm.disable_kl=false", "worker.ref.fsdp.fsdp_size=0", "worker.critic.fsdp.fsdp_size=-2"],
             CPU,
             [
-                f"worker.critic.model.lora.rank=8 (LoRA): {TODO}; set worker.critic.model.lora.rank=0 (LoRA trains",
+                "worker.ref.fsdp.fsdp_size=0 does not divide the 1 worker(s)",
+                "worker.critic.fsdp.fsdp_size=-2 does not divide the 1 worker(s)",
             ],
         ),
     ],
@@ -1037,10 +1054,6 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
     ("override", "expected"),
     [
         (
-            "worker.actor.fsdp.fsdp_size=2",
-            "worker.actor.fsdp.fsdp_size=2 (hybrid sharding): {TODO}; set worker.actor.fsdp.fsdp_size=-1",
-        ),
-        (
             "worker.reward.skip_special_tokens=false",
             "worker.reward.skip_special_tokens=false: {TODO}",
         ),
@@ -1053,6 +1066,20 @@ def test_every_invariant_names_its_values_and_fix(overrides, cluster, expected):
 def test_settings_vlmrl_cannot_honour_yet_fail_with_what_to_set(override, expected):
     problems = problems_of(QUICKSTART, override)
     assert any(expected.format(TODO=TODO) in p for p in problems), problems
+
+
+def test_hybrid_sharding_and_a_lora_critic_validate():
+    """fsdp_size divisors of the workers (per model) and the critic's LoRA are accepted (tests/test_hybrid_sharding.py
+    and tests/test_critic_lora.py train with them)."""
+    config = load_config(
+        [
+            QUICKSTART, "trainer.n_gpus_per_node=4", *GAE, "algorithm.disable_kl=false",
+            "worker.actor.fsdp.fsdp_size=2", "worker.ref.fsdp.fsdp_size=4", "worker.critic.fsdp.fsdp_size=1",
+            "worker.critic.model.lora.rank=8",
+        ],
+        GPUS,
+    )  # fmt: skip
+    assert (config.worker.actor.fsdp.fsdp_size, config.worker.critic.model.lora.rank) == (2, 8)
 
 
 FSDP_MEMORY_OPTIONS = [

@@ -265,15 +265,16 @@ class AlgorithmConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (peft) on the actor: only the adapters train; the base and vision weights stay as loaded.
+    """LoRA adapters (peft): only the adapters train; the base and vision weights stay as loaded.
 
-    The reference model is the actor with its adapters switched off (no second
-    copy), and vLLM, the HF export and ``full_weights`` get merged weights
-    (W + alpha / rank * B @ A) under the HF names. Actor only: not the critic.
+    On the actor, the reference model is the actor with its adapters switched
+    off (no second copy), and vLLM, the HF export and ``full_weights`` get merged
+    weights (W + alpha / rank * B @ A) under the HF names. On the critic, the
+    value head trains whole beside the adapters.
     """
 
     rank: int = 0
-    """LoRA rank; 0 trains the full model. The actor only: the critic takes 0."""
+    """LoRA rank; 0 trains the full model."""
     alpha: int = 64
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str = "all-linear"
@@ -336,7 +337,8 @@ class FSDPConfig:
     torch_dtype: DType | None = None
     """Dtype of the weights; null: bfloat16 for the actor and critic, the actor's dtype for the reference model."""
     fsdp_size: int = -1
-    """Ranks per shard group (hybrid sharding); -1 shards over all workers."""
+    """Ranks per shard group: -1 shards over all workers; a divisor of the workers shards within groups of that
+    many and replicates across the groups (hybrid sharding)."""
     mp_param_dtype: DType | None = None
     """Mixed precision: dtype the forward and backward compute in; null: torch_dtype."""
     mp_reduce_dtype: DType | None = None

@@ -8,7 +8,7 @@ import re
 
 from vlmrl.workflows import workflow_name
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, AdvantageEstimator, KLControllerType, KLEstimator, LossAvgMode
-from vlmrl.config import AlgorithmConfig, Config, Device
+from vlmrl.config import AlgorithmConfig, Config, Device, LoraConfig
 from vlmrl.plan import (
     Cluster,
     decoupled_loss,
@@ -162,9 +162,25 @@ def loss_mode_problems(config: Config) -> list[str]:
 
 
 def lora_problems(config: Config) -> list[str]:
-    """The actor's LoRA settings; the critic's LoRA is refused with the settings vlmrl cannot honour yet."""
-    problems = []
+    """The LoRA settings of the actor, and of the critic when the run trains one."""
+    problems = _lora_section_problems(config.worker.actor.model.lora, "worker.actor.model.lora")
+    if uses_critic(config):
+        problems += _lora_section_problems(config.worker.critic.model.lora, "worker.critic.model.lora")
     lora, key = config.worker.actor.model.lora, "worker.actor.model.lora"
+    ref_dtype = config.worker.ref.fsdp.torch_dtype
+    if lora.rank > 0 and uses_reference(config) and ref_dtype is not None and ref_dtype.value != weights_dtype(
+        config, "actor"
+    ):
+        problems.append(
+            f"worker.ref.fsdp.torch_dtype={ref_dtype.value} with {key}.rank={lora.rank}: under LoRA the reference "
+            f"model is the actor's base weights, in the actor's dtype ({weights_dtype(config, 'actor')}); "
+            "unset worker.ref.fsdp.torch_dtype (null)"
+        )
+    return problems
+
+
+def _lora_section_problems(lora: LoraConfig, key: str) -> list[str]:
+    problems = []
     if lora.rank < 0:
         problems.append(f"{key}.rank={lora.rank}: must be 0 (train the full model) or a positive LoRA rank, e.g. 8")
     if lora.rank <= 0:
@@ -182,19 +198,12 @@ def lora_problems(config: Config) -> list[str]:
             re.compile(lora.exclude_modules)
         except re.error as e:
             problems.append(f"{key}.exclude_modules={lora.exclude_modules!r}: not a regular expression ({e})")
-    ref_dtype = config.worker.ref.fsdp.torch_dtype
-    if uses_reference(config) and ref_dtype is not None and ref_dtype.value != weights_dtype(config, "actor"):
-        problems.append(
-            f"worker.ref.fsdp.torch_dtype={ref_dtype.value} with {key}.rank={lora.rank}: under LoRA the reference "
-            f"model is the actor's base weights, in the actor's dtype ({weights_dtype(config, 'actor')}); "
-            "unset worker.ref.fsdp.torch_dtype (null)"
-        )
     return problems
 
 
 def device_problems(config: Config, cluster: Cluster) -> list[str]:
-    """Workers, tensor-parallel engines and sequence-parallel groups must fit the devices."""
-    problems = []
+    """Workers, tensor-parallel engines, shard groups and sequence-parallel groups must fit the devices."""
+    problems = _shard_group_problems(config)
     trainer, rollout = config.trainer, config.worker.rollout
     if trainer.device is Device.cuda and cluster.gpus == 0:
         problems.append(
@@ -274,6 +283,27 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
     return problems
 
 
+def _shard_group_problems(config: Config) -> list[str]:
+    """``fsdp.fsdp_size`` of each model the run builds: -1 (all workers) or a divisor of the workers."""
+    world = world_size(config)
+    sections = [("worker.actor", config.worker.actor)]
+    if uses_reference(config):
+        sections.append(("worker.ref", config.worker.ref))
+    if uses_critic(config):
+        sections.append(("worker.critic", config.worker.critic))
+    problems = []
+    for section, cfg in sections:
+        size = cfg.fsdp.fsdp_size
+        if size == -1 or (size >= 1 and world % size == 0):
+            continue
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        problems.append(
+            f"{section}.fsdp.fsdp_size={size} does not divide the {world} worker(s) (trainer.n_gpus_per_node x "
+            f"trainer.nnodes): each shard group holds fsdp_size workers; set -1 to shard over all of them, or "
+            f"one of {divisors} for hybrid sharding"
+        )
+    return problems
+
 
 def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
     """Settings vlmrl accepts but cannot honour yet, where ignoring them would change what trains or the memory it takes.
@@ -289,27 +319,16 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
          "set worker.reward.skip_special_tokens=true"),
     ]  # fmt: skip
-    models = [("worker.actor", actor, True)]
-    if uses_reference(config):
-        models.append(("worker.ref", config.worker.ref, False))
+    # The fsdp.* options (hybrid sharding included) and LoRA on the actor and the critic are implemented
+    # (vlmrl/train/fsdp_options.py, vlmrl/train/lora.py).
+    trained = [("worker.actor", actor)]
     if uses_critic(config):
-        models.append(("worker.critic", config.worker.critic, True))
-    for section, cfg, trained in models:
-        # enable_full_shard, enable_cpu_offload, offload.* and mp_* are implemented (vlmrl/train/fsdp_options.py).
-        fsdp = cfg.fsdp
+        trained.append(("worker.critic", config.worker.critic))
+    for section, cfg in trained:
         todo += [
-            (fsdp.fsdp_size not in (-1, world_size(config)), f"{section}.fsdp.fsdp_size={fsdp.fsdp_size} (hybrid sharding)",
-             f"set {section}.fsdp.fsdp_size=-1"),
+            (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
+             f"set {section}.ulysses_size=1"),
         ]  # fmt: skip
-        if trained:
-            model, optim = cfg.model, cfg.optim
-            todo += [
-                # The actor's LoRA is implemented (lora_problems); the critic's value head is not wired for it.
-                (section != "worker.actor" and model.lora.rank > 0, f"{section}.model.lora.rank={model.lora.rank} (LoRA)",
-                 f"set {section}.model.lora.rank=0 (LoRA trains the actor only)"),
-                (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
-                 f"set {section}.ulysses_size=1"),
-            ]  # fmt: skip
     return [
         f"{what}: not supported by vlmrl yet; {fix}"
         for applies, what, fix in todo
