@@ -29,7 +29,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
-from vlmrl.testing import agent_assets, assets, judge_assets
+from vlmrl.testing import agent_assets, assets, distill_assets, judge_assets
 
 __all__ = ["TinyResolver", "build_missing", "register_resolvers", "tiny_asset"]
 
@@ -76,6 +76,11 @@ GROUPS = {
         "agent_", _fields(agent_assets.AgentAssets), "the agent quickstart's tool-call-tuned tiny model and data (minutes)",
         lambda cache: cache / f"agent-assets-{agent_assets.agent_version()}", agent_assets.agent_layout,
         agent_assets.ensure_agent_assets, ("tiny",),
+    ),
+    "distill": AssetGroup(
+        "distill_", _fields(distill_assets.DistillAssets), "the distillation example's colour teacher (seconds)",
+        lambda cache: cache / f"distill-assets-{distill_assets.distill_version()}", distill_assets.distill_layout,
+        distill_assets.ensure_distill_assets, ("tiny", "quickstart"),
     ),
     "judge": AssetGroup(
         "", _fields(judge_assets.JudgeAssets), "the tiny judge and score models (minutes)",
