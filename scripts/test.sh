@@ -2,9 +2,14 @@
 # Run the test suite in .venv. Exits non-zero on any failure, and also when no
 # test was collected (pytest's exit code 5), which would otherwise hide a
 # broken collection as "nothing to do".
+#
+# Two pytest workers (pytest-xdist) by default: much of a test's time is a process starting (imports, Ray,
+# an engine) on one core, so two at a time keep both cores busy. A file's tests stay on one worker, and so do
+# the files sharing a costly session fixture (tests/conftest.py). VLMRL_TEST_WORKERS=0 runs them in this process,
+# one after another. The slowest tests are listed at the end, to see where the suite's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n "${VLMRL_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2

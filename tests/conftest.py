@@ -166,6 +166,33 @@ def pytest_sessionfinish(session, exitstatus):
     stop_shared_cluster()
 
 
+SHARED_SESSION_FIXTURES = ("e2e_run", "sigterm_run", "engine_tests_engine")
+"""Session fixtures that cost a real run or an engine each time they are built: the files that use one run on
+one xdist worker, so that it is built once (scripts/test.sh runs the suite on two workers)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    # scripts/test.sh runs ``--dist loadgroup``: an item goes to the worker of its group. A group is a file (so a
+    # module fixture, often a whole CLI run, is built on one worker) joined with every other file that uses one of
+    # the same SHARED_SESSION_FIXTURES. Without xdist the marks are inert.
+    group_of = {}  # file -> its group's name (a union-find over files, rooted at a file)
+
+    def root(path):
+        while group_of.setdefault(path, path) != path:
+            path = group_of[path]
+        return path
+
+    user_of: dict[str, str] = {}  # shared fixture -> the first file that uses it
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        for name in SHARED_SESSION_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                first = user_of.setdefault(name, path)
+                group_of[root(path)] = root(first)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+
+
 def pytest_collection_finish(session):
     # What collecting imported lives as long as pytest: frozen, the full collections the tests trigger do not
     # walk it again and again (vlmrl.heap).
