@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vlmrl.algos import ADVANTAGE_ESTIMATORS, CorrectionMode
+from vlmrl.config.kinds import workflow_name
 
 if TYPE_CHECKING:
     from vlmrl.config import Config, ModelKind
@@ -602,8 +603,8 @@ def _old_log_probs_text(plan: Plan, config: Config) -> str:
 def _rollouts_text(config: Config) -> str:
     """Single responses, the built-in multi-turn loop with its tools or environment, or an external agent."""
     rollout = config.worker.rollout
-    mt, agent = rollout.multi_turn, rollout.agent
-    if agent:
+    mt, agent, kind = rollout.multi_turn, rollout.agent, workflow_name(rollout)
+    if kind == "openai_agent":
         opts = rollout.agent_options
         port = opts.port or "a free port"
         return (
@@ -611,14 +612,14 @@ def _rollouts_text(config: Config) -> str:
             f"{opts.host}:{port} of each worker; {opts.max_concurrency} at once per worker, timeout {opts.timeout:g} s, "
             f"a failed rollout: {opts.on_failure.value}"
         )
-    if mt.enable or rollout.workflow == "multi_turn":
+    if kind == "multi_turn":
         what = f"tools {', '.join(mt.tools)}" if mt.tools else f"environment {mt.env}"
         per_turn = f", {mt.max_tokens_per_turn} tokens per turn" if mt.max_tokens_per_turn else ""
         return (
             f"rollouts: multi-turn, up to {mt.max_turns} turns{per_turn}, calls parsed as {mt.format}, {what} "
             f"(at most {mt.max_parallel_calls} calls at once, timeout {mt.tool_timeout:g} s)"
         )
-    if ":" in rollout.workflow:
+    if kind != "single_turn":
         tools = f", tools {', '.join(mt.tools)}" if mt.tools else ""
         limit = f"{rollout.workflow_timeout:g} s" if rollout.workflow_timeout is not None else "none"
         return f"rollouts: workflow {rollout.workflow}, run once per sample (timeout {limit}){tools}"
@@ -629,7 +630,7 @@ def _reward_text(config: Config) -> str:
     """Who gives the rewards: the function, the agent, or both (the function for rollouts the agent left unscored)."""
     reward = config.worker.reward
     function = reward.reward_function or ("model_score (the reward model's score)" if reward.reward_model.model_path else "")
-    if config.worker.rollout.agent:
+    if workflow_name(config.worker.rollout) == "openai_agent":
         if not function:
             return "rewards: from the agent (no reward function: a rollout it returns no reward for fails the step)"
         return f"rewards: from the agent, else {function} on the rollout's final answer"

@@ -137,7 +137,8 @@ class TrainingLoop:
         self.skip_watch = SkippedStepWatch(config.trainer.max_consecutive_skipped_steps)
         multi_turn = rollout.multi_turn
         self.signal_check = SignalCheck(
-            config.trainer.fail_without_signal_steps, has_tools=multi_turn.enable and bool(multi_turn.tools)
+            config.trainer.fail_without_signal_steps,
+            has_tools=workflows.workflow_name(rollout) == "multi_turn" and bool(multi_turn.tools),
         )
 
     def _prompt_batches(self):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmrl.config import Config
-from vlmrl.config.schema import RolloutConfig
+from vlmrl.config.kinds import workflow_name  # also vlmrl.workflows.workflow_name, for the validators
 from vlmrl.rollout.kind import Credit, RolloutKind
 from vlmrl.rollout.workflow import WorkflowRollouts, check_workflow_class
 from vlmrl.user_code import load_object
@@ -34,16 +34,6 @@ BUILTINS = {
 """Built-in name -> its ``RolloutKind`` class, as module:Class."""
 
 KEY = "worker.rollout.workflow"
-
-
-def workflow_name(rollout: RolloutConfig) -> str:
-    """The kind the config chooses: ``workflow``, or the kind an older switch turns on (validation refuses a
-    ``workflow`` that says otherwise)."""
-    if rollout.agent:
-        return "openai_agent"
-    if rollout.multi_turn.enable:
-        return "multi_turn"
-    return rollout.workflow
 
 
 def is_builtin(name: str) -> bool:
