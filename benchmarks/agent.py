@@ -128,9 +128,11 @@ def loop_benchmark(args) -> dict:
 
     from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
     from vlmrl.data.media import resize_to_grid
-    from vlmrl.data.positions import MRope
+    from vlmrl.models import family_of
+    from vlmrl.models.qwen_vision import QwenMediaSizes
     from vlmrl.rollout.engine import Sampling
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.rollout.engine.vllm import VLLMEngine
     from vlmrl.rollout.turns.loop import AgentLoop, Limits
     from vlmrl.rollout.turns.observations import ConversationRenderer
@@ -145,7 +147,7 @@ def loop_benchmark(args) -> dict:
         str(assets.model_dir), dtype="bfloat16", seed=0, max_model_len=1024 + budget,
         max_num_batched_tokens=8192, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=2,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, config.get_text_config().vocab_size),
+        allowed_tokens=sampling_mask(processor.tokenizer, config.get_text_config().vocab_size, QWEN_MARKERS),
     )  # fmt: skip
     ds = RLHFDataset(
         str(assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
@@ -155,7 +157,7 @@ def loop_benchmark(args) -> dict:
     ip = processor.image_processor
     renderer = ConversationRenderer(
         processor, chat_template=None, tools=[], template_has_tools=False,
-        resize=lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS),
+        resize=lambda image: resize_to_grid(image, QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)),
         model_input_keys=MODEL_INPUT_KEYS,
     )  # fmt: skip
     vocab = processor.tokenizer.get_vocab()
@@ -167,7 +169,7 @@ def loop_benchmark(args) -> dict:
         tool = tool_from_function(wait_tool(sleep), "look")
         wrapped = Recording(engine) if record else engine
         loop = AgentLoop(
-            wrapped, renderer, limits, positions=MRope.from_config(config).positions,
+            wrapped, renderer, limits, positions=family_of(config).positions(config).positions,
             pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]), runner=ToolRunner([tool], 10.0),
             parser=always_call,
         )  # fmt: skip

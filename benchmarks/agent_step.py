@@ -189,6 +189,7 @@ def part_record(args, result: Path) -> None:
     from vlmrl.plan import detect_cluster, resolve
     from vlmrl.rollout.engine import Sampling
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.validate import load_config
     from vlmrl.workers.rollout import RolloutWorker
     from vlmrl.workflows.multi_turn import build_agent_loop
@@ -200,7 +201,7 @@ def part_record(args, result: Path) -> None:
     processor = AutoProcessor.from_pretrained(model_path)
     tokenizer = processor.tokenizer
     vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
-    worker = RolloutWorker(config, plan, 0, tokenizer, sampling_mask(tokenizer, vocab_size), processor)
+    worker = RolloutWorker(config, plan, 0, tokenizer, sampling_mask(tokenizer, vocab_size, QWEN_MARKERS), processor)
     dataset = RLHFDataset(
         data.train_files, processor, prompt_key=data.prompt_key, answer_key=data.answer_key,
         image_key=data.image_key, image_dir=data.image_dir, max_prompt_length=data.max_prompt_length,
@@ -251,6 +252,7 @@ def part_vllm(args, record: Path, result: Path) -> None:
 
     from benchmarks.step import MAX_PIXELS, MIN_PIXELS
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.testing.assets import ensure_tiny_assets
 
     calls = torch.load(record, weights_only=False)["calls"]
@@ -271,7 +273,7 @@ def part_vllm(args, record: Path, result: Path) -> None:
         kv_cache_memory_bytes=1 << 30,
     )
     tokenizer = llm.get_tokenizer()
-    allowed = sampling_mask(tokenizer, llm.llm_engine.model_config.get_vocab_size()).nonzero().flatten().tolist()
+    allowed = sampling_mask(tokenizer, llm.llm_engine.model_config.get_vocab_size(), QWEN_MARKERS).nonzero().flatten().tolist()
     turns = []
     for requests in calls:
         prompts, params = [], []
@@ -322,6 +324,7 @@ def part_hf(args, record: Path, result: Path) -> None:
 
     from vlmrl.records.views import to_batch
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.testing.assets import ensure_tiny_assets
     from vlmrl.train.actor import forward_response
 
@@ -331,7 +334,7 @@ def part_hf(args, record: Path, result: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
     actor = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32)
     ref = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
-    allowed = sampling_mask(tokenizer, actor.get_output_embeddings().weight.shape[0])
+    allowed = sampling_mask(tokenizer, actor.get_output_embeddings().weight.shape[0], QWEN_MARKERS)
     # Padded only to the longest prompt and the longest response of the batch: the token counts of the work.
     batch = to_batch(
         trajectories,

@@ -11,7 +11,7 @@ widths, heads, vocabulary, vision tower) and then runs vlmrl's code, not a
 copy of it, on synthetic image prompts and responses:
 
 - the prompts are ``PromptSample`` rows with the dataset's rotary positions
-  (``vlmrl.data.positions.MRope``), their responses ``Trajectory`` records, and
+  (``vlmrl.models.mrope.MRope``), their responses ``Trajectory`` records, and
   ``vlmrl.records.views.to_batch`` makes the padded batch from them, as the
   worker does after a rollout;
 - the run's settings come from the config (``vlmrl.config.parse_config``) and
@@ -49,12 +49,13 @@ import time
 import torch
 
 from vlmrl.config import Config, parse_config
-from vlmrl.data.positions import MRope
 from vlmrl.driver.perf import FlopsModel, PerfMeter, measure_cpu_peak_flops, peak_flops
 from vlmrl.plan import Cluster, Plan, resolve
 from vlmrl.records import Batch, PromptSample, Trajectory
 from vlmrl.records.views import to_batch
-from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.models import family_of
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.train.actor import MicroBatching, UpdateSettings, compute_log_probs, forward_response, update_policy
 from vlmrl.train.fsdp_options import ShardOptions, shard, with_host_collectives
 from vlmrl.workers.trainer import adamw, process_group_backend
@@ -199,11 +200,11 @@ def make_generations(
     Layout of a prompt: text, <vision_start>, image tokens, <vision_end>, text.
     The pixels are random patches given directly as the processor's output, so
     the rows have no PIL image. Each prompt's positions come from the
-    dataset's ``MRope``, which also checks that its image tokens match its grid.
+    model family's rotary scheme (``vlmrl.models``), which also checks that its image tokens match its grid.
     """
     config = model.config
     vision = config.vision_config
-    mrope = MRope.from_config(config)
+    mrope = family_of(config).positions(config)
     ordinary = min(config.image_token_id, config.video_token_id, config.vision_start_token_id) - 8
     patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
     merge = vision.spatial_merge_size
@@ -283,9 +284,9 @@ def allowed_tokens(model) -> torch.Tensor:
         "<|video_pad|>": config.video_token_id,
     }
     # A name sampling_mask does not know would leave its token allowed without a word.
-    unknown = set(ids) - set(VISION_SPECIAL_TOKENS)
+    unknown = set(ids) - set(QWEN_MARKERS)
     if unknown:
-        raise RuntimeError(f"gpu_smoke: {sorted(unknown)} are not in VISION_SPECIAL_TOKENS")
+        raise RuntimeError(f"gpu_smoke: {sorted(unknown)} are not in QWEN_MARKERS")
     vocab_size = config.text_config.vocab_size
 
     class Vocabulary:
@@ -295,7 +296,7 @@ def allowed_tokens(model) -> torch.Tensor:
         def get_vocab(self) -> dict[str, int]:
             return ids
 
-    return sampling_mask(Vocabulary(), vocab_size)
+    return sampling_mask(Vocabulary(), vocab_size, QWEN_MARKERS)
 
 
 def shard_like_a_worker(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:

@@ -260,6 +260,7 @@ def part_vllm(args, result_path: Path) -> None:
     from vllm import LLM, SamplingParams
 
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
     llm = LLM(
@@ -275,7 +276,7 @@ def part_vllm(args, result_path: Path) -> None:
         kv_cache_memory_bytes=1 << 30,
     )
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
-    allowed = sampling_mask(processor.tokenizer, vocab_size).nonzero().flatten().tolist()
+    allowed = sampling_mask(processor.tokenizer, vocab_size, QWEN_MARKERS).nonzero().flatten().tolist()
     params = SamplingParams(
         n=args.n,
         temperature=1.0,
@@ -319,13 +320,14 @@ def part_hf(args, result_path: Path) -> None:
     from vlmrl.records import Trajectory
     from vlmrl.records.views import to_batch
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
     torch.manual_seed(0)
     assets, processor, prompts = load_prompts(args.prompts, args.max_prompt_length)
     actor = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32)
     ref = AutoModelForImageTextToText.from_pretrained(assets.model_dir, dtype=torch.float32).eval()
     vocab_size = actor.get_output_embeddings().weight.shape[0]
-    allowed = sampling_mask(processor.tokenizer, vocab_size)
+    allowed = sampling_mask(processor.tokenizer, vocab_size, QWEN_MARKERS)
     allowed_ids = allowed.nonzero().flatten()
     trajectories = []
     for g, p in enumerate(prompts):

@@ -46,7 +46,8 @@ def main(argv=None) -> None:
 
     from benchmarks.colour_reward import score
     from benchmarks.step import FORMAT_PROMPT, KL_COEF, MAX_PIXELS, MIN_PIXELS
-    from vlmrl.data.dataset import grid_size, load_rows
+    from vlmrl.data.dataset import load_rows
+    from vlmrl.models.qwen_vision import grid_size
     from vlmrl.testing.assets import ensure_tiny_assets
 
     assets = ensure_tiny_assets()

@@ -43,7 +43,8 @@ from vlmrl.rollout.endpoint.openai import chat_choice
 from vlmrl.rollout.endpoint.render import ChatRenderer
 from vlmrl.rollout.endpoint.server import VERSION_HEADER, AgentEndpoint
 from vlmrl.rollout.engine import SampleOutput
-from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS
+from vlmrl.models import family_at
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.turns.tool_parsers import parse_qwen
 
 from helpers import agent_endpoint  # noqa: E402
@@ -187,7 +188,7 @@ def test_an_openai_agent_is_recorded_as_the_actor_sees_its_calls(endpoint, proce
     # The responses: ids that decode to the returned text, finite log-probs one per token.
     texts = [first.choices[0].message.content, second.choices[0].message.content, third.choices[0].message.content,
              fourth.choices[0].text]  # fmt: skip
-    vision = {tokenizer.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS} - {tokenizer.unk_token_id}
+    vision = {tokenizer.convert_tokens_to_ids(t) for t in QWEN_MARKERS} - {tokenizer.unk_token_id}
     for call, text in zip(calls, texts, strict=True):
         assert call.response_ids and tokenizer.decode(call.response_ids, skip_special_tokens=True) == text, call.index
         assert len(call.log_probs) == len(call.response_ids)
@@ -366,7 +367,8 @@ def test_tool_calls_go_out_as_openai_calls_and_come_back_as_the_models_text(proc
     assert choice["finish_reason"] == "tool_calls" and message["content"] == "Let me look."
     assert [c["function"] for c in message["tool_calls"]] == [{"name": "zoom", "arguments": '{"x": 3}'}]
     # The agent sends the call back with two results; a template without tools gets them as Qwen writes them.
-    renderer = ChatRenderer(processor, resize=_resize(processor), tools_message=tools_system_message)
+    renderer = ChatRenderer(processor, resize=_resize(processor), tools_message=tools_system_message,
+                            family=family_at(processor.tokenizer.name_or_path))  # fmt: skip
     results = [{"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": r} for r in ("3x", "done")]
     rendered, images = renderer.template_messages([{"role": "user", "content": "Zoom."}, message, *results], TOOLS)
     assert images == []

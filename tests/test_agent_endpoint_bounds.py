@@ -29,6 +29,7 @@ from transformers import AutoProcessor
 
 from vlmrl.config import AgentOptionsConfig
 from vlmrl.data.chat import tools_system_message
+from vlmrl.models import family_at
 from vlmrl.rollout.endpoint.render import ChatRenderer
 from vlmrl.rollout.endpoint.server import AgentEndpoint, EndpointLimits, body_bound
 
@@ -48,8 +49,9 @@ def _endpoint(processor, resize=None, **limits):
     """A started endpoint over a stub engine; ``resize`` wraps the tiny model's resize (a test hook)."""
     base = agent_endpoint.resize(processor)
     renderer = ChatRenderer(
-        processor, resize=(lambda image: resize(image, base)) if resize else base, tools_message=tools_system_message
-    )
+        processor, resize=(lambda image: resize(image, base)) if resize else base, tools_message=tools_system_message,
+        family=family_at(processor.tokenizer.name_or_path),
+    )  # fmt: skip
     engine = agent_endpoint.EchoEngine(processor.tokenizer.encode("red", add_special_tokens=False))
     limits = EndpointLimits(max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS, **limits)
     with AgentEndpoint(engine, renderer, limits).start() as endpoint:

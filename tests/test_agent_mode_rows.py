@@ -25,6 +25,7 @@ from vlmrl.plan import resolve
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
 from vlmrl.workflows.openai_agent import AgentRolloutError, OpenAIAgent
@@ -110,7 +111,7 @@ def test_an_append_only_template_gives_one_row_per_rollout_made_of_the_recorded_
         trajectories, max_prompt_length=data.max_prompt_length, max_response_length=data.max_response_length,
         pad_token_id=processor.tokenizer.pad_token_id,
     )
-    allowed = sampling_mask(processor.tokenizer, parts.hf_config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, parts.hf_config.get_text_config().vocab_size, QWEN_MARKERS)
     with torch.no_grad():
         log_probs, _ = forward_response(model, batch, allowed, with_entropy=False)
     mask = batch.response_mask.bool()

@@ -28,7 +28,8 @@ from helpers import agent_tools
 from vlmrl.data.chat import tools_system_message
 from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
-from vlmrl.data.positions import MRope
+from vlmrl.models import family_of
+from vlmrl.models.qwen_vision import QwenMediaSizes
 from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput, Sampling
 from vlmrl.rollout.turns.loop import AgentLoop, Limits, turn_seed
@@ -99,13 +100,13 @@ def _prompts(tiny_assets, processor, config, tools, n=2) -> list[PromptSample]:
 
 def _loop(processor, config, engine, tools, *, parser, chat_template=None, env_class=None, **limits) -> AgentLoop:
     ip = processor.image_processor
-    factor = ip.patch_size * ip.merge_size
+    sizes = QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)
     renderer = ConversationRenderer(
         processor,
         chat_template=chat_template,
         tools=[t.schema() for t in tools],
         template_has_tools=False,  # the tiny models' template, like Qwen2.5-VL's, has no tools
-        resize=lambda image: resize_to_grid(image, factor, MIN_PIXELS, MAX_PIXELS),
+        resize=lambda image: resize_to_grid(image, sizes),
         model_input_keys=MODEL_INPUT_KEYS,
     )
     settings = dict(max_turns=3, max_response_length=400, max_tokens_per_turn=None, max_tool_response_length=64,
@@ -114,7 +115,7 @@ def _loop(processor, config, engine, tools, *, parser, chat_template=None, env_c
     vocab = processor.tokenizer.get_vocab()
     return AgentLoop(
         engine, renderer, Limits(**settings),
-        positions=MRope.from_config(config).positions,
+        positions=family_of(config).positions(config).positions,
         pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]),
         runner=None if env_class else ToolRunner(tools, settings["tool_timeout"]),
         parser=parser, env_class=env_class,
@@ -149,7 +150,7 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
         messages.append({"role": "assistant", "content": TURN_TEXTS[turn]})
         if turn + 1 < turns:
             image = agent_tools.card(turn)
-            images.append(resize_to_grid(image, processor.image_processor.patch_size * processor.image_processor.merge_size, MIN_PIXELS, MAX_PIXELS))
+            images.append(resize_to_grid(image, QwenMediaSizes.of(processor.image_processor, MIN_PIXELS, MAX_PIXELS)))
             messages.append({"role": "user", "content": [
                 {"type": "text", "text": "<tool_response>\n"}, {"type": "image"},
                 {"type": "text", "text": f"picture {turn}\n</tool_response>"},
@@ -166,7 +167,7 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
     assert t.mm_inputs["image_grid_thw"].tolist() == expected["image_grid_thw"].tolist()
     assert (t.mm_inputs["pixel_values"] == expected["pixel_values"]).all()
     # Positions are the family's own function over the whole sequence.
-    assert (t.position_ids == MRope.from_config(config).positions(t.token_ids, dict(expected))).all()
+    assert (t.position_ids == family_of(config).positions(config).positions(t.token_ids, dict(expected))).all()
 
 
 def test_a_repeated_observation_renders_as_the_first_without_the_template(tiny, monkeypatch):

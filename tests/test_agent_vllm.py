@@ -22,10 +22,12 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from helpers import agent_tools
 from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
-from vlmrl.data.positions import MRope
+from vlmrl.models import family_of
+from vlmrl.models.qwen_vision import QwenMediaSizes
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling, image_content_id
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.rollout.turns.loop import AgentLoop, Limits
 from vlmrl.rollout.turns.observations import ConversationRenderer
@@ -41,7 +43,7 @@ def parts(tiny_assets):
     processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
     config = AutoConfig.from_pretrained(tiny_assets.model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32).eval()
-    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size, QWEN_MARKERS)
     threads = torch.get_num_threads()
     engine = VLLMEngine(
         str(tiny_assets.model_dir), dtype="float32", seed=2, max_model_len=PROMPT + RESPONSE,
@@ -84,7 +86,7 @@ def _rollout(tiny_assets, parts):
     ip = processor.image_processor
     renderer = ConversationRenderer(
         processor, chat_template=None, tools=[t.schema() for t in tools], template_has_tools=False,
-        resize=lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS),
+        resize=lambda image: resize_to_grid(image, QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)),
         model_input_keys=MODEL_INPUT_KEYS,
     )  # fmt: skip
     vocab = processor.tokenizer.get_vocab()
@@ -92,7 +94,7 @@ def _rollout(tiny_assets, parts):
         engine, renderer,
         Limits(max_turns=3, max_response_length=RESPONSE, max_tokens_per_turn=8, max_tool_response_length=32,
                max_images=4, tool_timeout=5.0, max_parallel_calls=2),
-        positions=MRope.from_config(config).positions, pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]),
+        positions=family_of(config).positions(config).positions, pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]),
         runner=ToolRunner(tools, 5.0), parser=agent_tools.call_reveal,
     )  # fmt: skip
     sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True)

@@ -20,6 +20,7 @@ from vlmrl.data.dataset import RLHFDataset
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train.actor import forward_response
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -106,7 +107,7 @@ def test_outputs_feed_an_actor_forward_of_each_family(model_dirs, tmp_path, fami
     batch = batch_of(
         generations, max_prompt_length=128, max_response_length=4, pad_token_id=tokenizer.pad_token_id,
     )
-    allowed = sampling_mask(tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     with torch.no_grad():
         mixed, _ = forward_response(model, batch, allowed)
         # Each sample alone gives the same log-probs as in the mixed batch: its media went to it.

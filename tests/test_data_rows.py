@@ -306,7 +306,7 @@ def test_a_media_token_count_that_does_not_match_the_grid_is_caught_before_the_m
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     short = [t for i, t in enumerate(sample.input_ids) if not (t == pad and i == sample.input_ids.index(pad))]
     with pytest.raises(ValueError, match="a run of 3 image tokens where the image's grid gives 4"):
-        ds.mrope.positions(short, sample.mm_inputs)
+        ds.rotary.positions(short, sample.mm_inputs)
 
 
 # --------------------------------------------------------------------------- filtering

@@ -21,6 +21,7 @@ from vlmrl.data.dataset import RLHFDataset
 from vlmrl.train.actor import forward_response
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.engine.vllm import VLLMEngine
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
@@ -51,7 +52,7 @@ def rollout(tiny_assets, hf_model, processor):
         cpu_kvcache_space_gb=1,
         min_pixels=MIN_PIXELS,
         max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size),
+        allowed_tokens=sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size, QWEN_MARKERS),
     )
     yield engine
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -115,7 +116,7 @@ def test_rollout_then_actor_on_a_mixed_batch_agree_on_log_probs(rollout, samples
         max_response_length=RESPONSE,
         pad_token_id=processor.tokenizer.pad_token_id,
     )
-    allowed = sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size, QWEN_MARKERS)
     with torch.no_grad():
         log_probs, _ = forward_response(hf_model, batch, allowed)
     assert log_probs.shape == (8, RESPONSE) and torch.isfinite(log_probs).all()

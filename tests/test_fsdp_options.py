@@ -37,6 +37,7 @@ from vlmrl.train.fsdp_options import (
     with_host_collectives,
 )
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 PROMPTS, N, RESPONSE = 1, 2, 5
 SETTINGS = UpdateSettings(
@@ -82,7 +83,7 @@ def batch_and_mask(tiny_assets):
         str(tiny_assets.train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
         image_dir=None, max_prompt_length=128, min_pixels=3136, max_pixels=12544, filter_overlong_prompts=False,
     )  # fmt: skip
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     allowed_ids = allowed.nonzero().flatten()
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 2]

@@ -33,6 +33,7 @@ from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.train.checkpoint import check_lora_matches
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 RANK, ALPHA = 8, 16
 # Adam moves every adapter entry by about lr on the first step; this lr makes the merged
@@ -77,7 +78,7 @@ def lora_run(tmp_path_factory):
     model_dir = config.worker.actor.model.model_path
     processor = AutoProcessor.from_pretrained(model_dir)
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    allowed = sampling_mask(processor.tokenizer, base.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, base.config.get_text_config().vocab_size, QWEN_MARKERS)
     dataset = _dataset(config, config.data.train_files, processor)
     sampling = Sampling(
         n=config.worker.rollout.n, temperature=1.0, max_tokens=config.data.max_response_length, want_log_probs=True

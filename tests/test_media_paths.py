@@ -13,8 +13,9 @@ from helpers.media import png, write_video
 from PIL import Image
 
 from vlmrl.data.media import MAX_VIDEO_FRAMES, MediaError, load_video, open_image
+from vlmrl.models.qwen_vision import QwenMediaSizes
 
-VIDEO = dict(fps=2.0, patch_size=14, min_pixels=3136, max_pixels=12544)
+VIDEO = dict(fps=2.0, sizes=QwenMediaSizes(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12544))
 
 
 @pytest.fixture
@@ -79,4 +80,4 @@ def test_frames_are_resized_as_they_are_read(tmp_path, monkeypatch):
     load_video([Image.new("RGB", (1000, 800))] * 3, None, **VIDEO)
     write_video(tmp_path / "v.mp4", frames=4, fps=2, size=(640, 480))
     load_video("v.mp4", tmp_path, **VIDEO)
-    assert seen and all(f.width * f.height <= VIDEO["max_pixels"] for f in seen), [f.size for f in seen]
+    assert seen and all(f.width * f.height <= VIDEO["sizes"].max_pixels for f in seen), [f.size for f in seen]

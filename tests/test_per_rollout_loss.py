@@ -394,11 +394,12 @@ def actor_and_batch(tiny_assets):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.train.actor import compute_log_probs
 
     processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     vocab = allowed.nonzero().flatten()
     batch = agent_batch()
     trajectories = [

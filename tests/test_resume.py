@@ -171,6 +171,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.records import PromptSample
     from vlmrl.rollout.engine.sampling import sampling_mask
+    from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
     from vlmrl.train.micro_batches import merged_mm_inputs
 
     data = load_config(["config=examples/quickstart.yaml"]).data
@@ -181,7 +182,7 @@ def _assert_hf_argmax_matches(model_dir: Path, greedy: list[dict]) -> None:
         image_dir=None, max_prompt_length=data.max_prompt_length, min_pixels=data.min_pixels,
         max_pixels=data.max_pixels, format_prompt=data.format_prompt,
     )  # fmt: skip
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     for g in greedy:
         sample: PromptSample = dataset.sample(g["row"])
         batch = batch_of(

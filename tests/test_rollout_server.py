@@ -28,6 +28,7 @@ from vlmrl.records import PromptSample
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import InterruptMode, Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.train.actor import forward_response
 from vlmrl.validate import load_config
 from vlmrl.weight_sync.object_store import push_weights
@@ -147,7 +148,7 @@ def test_after_a_push_the_engine_log_probs_are_the_hf_models(server, parts):
         trajectories, max_prompt_length=LENGTH, max_response_length=LENGTH,
         pad_token_id=parts.processor.tokenizer.pad_token_id,
     )  # fmt: skip
-    allowed = sampling_mask(parts.processor.tokenizer, parts.hf_config.get_text_config().vocab_size)
+    allowed = sampling_mask(parts.processor.tokenizer, parts.hf_config.get_text_config().vocab_size, QWEN_MARKERS)
     mask = batch.response_mask.bool()
     model = parts.model
     with torch.no_grad():

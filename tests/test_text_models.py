@@ -22,6 +22,7 @@ from vlmrl.config import ModelKind
 from vlmrl.data.dataset import DataError, RLHFDataset
 from vlmrl.plan import ModelKindError, model_kind, resolve
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.testing.assets import ensure_text_assets
 from vlmrl.train.actor import compute_log_probs
 from vlmrl.train.critic import ValueModel, compute_values
@@ -164,7 +165,7 @@ def text_model_and_batch(request, text_assets):
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = _dataset(text_assets.math_train_file, model_dir, filter_overlong_prompts=False)
-    allowed = sampling_mask(processor, model.config.vocab_size)
+    allowed = sampling_mask(processor, model.config.vocab_size, QWEN_MARKERS)
     allowed_ids = allowed.nonzero().flatten()
     gen = torch.Generator().manual_seed(0)
     lengths = [6, 1, 4, 2, 5, 3]  # ragged responses under prompts of different lengths: padding on both sides

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from vlmrl.algos import grpo_advantages, masked_sum
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.scoring import place_scores
-from vlmrl.rollout.engine.sampling import VISION_SPECIAL_TOKENS, sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
+from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.workers.group import _chunks
 
 # --------------------------------------------------------------------------- place_scores
@@ -119,9 +120,9 @@ def tokenizer(tiny_assets):
 
 def test_sampling_mask_bans_vision_tokens_and_rows_past_the_tokenizer(tokenizer):
     vocab_size = len(tokenizer) + 113  # an embedding padded past the tokenizer, as real checkpoints are
-    allowed = sampling_mask(tokenizer, vocab_size)
+    allowed = sampling_mask(tokenizer, vocab_size, QWEN_MARKERS)
     assert allowed.shape == (vocab_size,) and allowed.dtype == torch.bool
-    vision_ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS]
+    vision_ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN_MARKERS]
     assert len(set(vision_ids)) == 5 and all(i < len(tokenizer) for i in vision_ids)
     for token_id in vision_ids:
         assert not allowed[token_id]
@@ -135,6 +136,6 @@ def test_sampling_mask_bans_vision_tokens_and_rows_past_the_tokenizer(tokenizer)
 
 
 def test_sampling_mask_with_an_embedding_the_size_of_the_tokenizer(tokenizer):
-    allowed = sampling_mask(tokenizer, len(tokenizer))
-    assert allowed.sum() == len(tokenizer) - len(VISION_SPECIAL_TOKENS)
+    allowed = sampling_mask(tokenizer, len(tokenizer), QWEN_MARKERS)
+    assert allowed.sum() == len(tokenizer) - len(QWEN_MARKERS)
     assert not allowed[tokenizer.convert_tokens_to_ids("<|image_pad|>")]

@@ -26,6 +26,7 @@ from vlmrl.train.micro_batches import MicroBatching, computed_tokens, merged_mm_
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.packing import trim
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 PROMPTS, N, RESPONSE = 3, 2, 6
 
@@ -61,7 +62,7 @@ def model_and_batch(tiny_assets):
         max_pixels=12544,
         filter_overlong_prompts=False,  # the first rows fit; checking all 256 would cost seconds
     )
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     allowed_ids = allowed.nonzero().flatten()
     gen = torch.Generator().manual_seed(0)
     lengths = [6, 1, 4, 2, 5, 3]  # ragged: micro-batches of 2 hold 7, 6 and 8 tokens

@@ -18,10 +18,12 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
-from vlmrl.data.positions import MRope
+from vlmrl.models import family_of
+from vlmrl.models.qwen_vision import QwenMediaSizes
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.rollout.turns.observations import ConversationRenderer
 from vlmrl.rollout.turns.tools import ToolRunner, load_tools
@@ -41,7 +43,7 @@ def parts(tiny_assets):
     processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
     config = AutoConfig.from_pretrained(tiny_assets.model_dir)
     model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32).eval()
-    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size, QWEN_MARKERS)
     threads = torch.get_num_threads()
     engine = VLLMEngine(
         str(tiny_assets.model_dir), dtype="float32", seed=2, max_model_len=PROMPT + RESPONSE,
@@ -71,12 +73,12 @@ def _rollouts(parts, name: str, *, on_error=OnError.error, timeout=30.0, tools=N
     ip = processor.image_processor
     renderer = ConversationRenderer(
         processor, chat_template=None, tools=[], template_has_tools=False,
-        resize=lambda image: resize_to_grid(image.convert("RGB"), ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS),
+        resize=lambda image: resize_to_grid(image.convert("RGB"), QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)),
         model_input_keys=MODEL_INPUT_KEYS,
     )  # fmt: skip
     spec = f"{FILE}:{name}"
     return WorkflowRollouts(
-        load_object(spec, "test")(**kwargs), spec, engine, renderer, positions=MRope.from_config(config).positions,
+        load_object(spec, "test")(**kwargs), spec, engine, renderer, positions=family_of(config).positions(config).positions,
         pad_ids=_pad_ids(processor), max_response_length=RESPONSE, timeout=timeout, on_error=on_error, tools=tools,
     )  # fmt: skip
 

@@ -22,6 +22,7 @@ from transformers import AutoProcessor
 
 from vlmrl.data.dataset import DataError, RLHFDataset
 from vlmrl.data.media import MediaError, load_video, open_image
+from vlmrl.models.qwen_vision import QwenMediaSizes
 
 FEATURES = datasets.Features(
     {"problem": datasets.Value("string"), "answer": datasets.Value("string"), "images": [datasets.Image()]}
@@ -109,7 +110,7 @@ def test_every_scheme_is_refused_in_every_form(tmp_path, path):
             open_image(item, None)
         with pytest.raises(MediaError, match="remote path .* refused"):
             open_image(item, tmp_path, allow_outside=True)  # the opt-in is about local paths only
-    video = dict(image_dir=None, fps=2.0, patch_size=14, min_pixels=3136, max_pixels=12544)
+    video = dict(image_dir=None, fps=2.0, sizes=QwenMediaSizes(patch_size=14, merge_size=2, min_pixels=3136, max_pixels=12544))
     for item in (path, {"bytes": None, "path": path}, [path, path]):
         with pytest.raises(MediaError, match="remote path .* refused"):
             load_video(item, **video)

@@ -13,6 +13,9 @@ from vlmrl.rollout.endpoint.render import ChatRenderer
 from vlmrl.rollout.endpoint.server import AgentEndpoint, EndpointLimits
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models import family_at
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
+from vlmrl.models.qwen_vision import QwenMediaSizes
 from vlmrl.rollout.engine.vllm import VLLMEngine
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
@@ -21,7 +24,8 @@ MIN_PIXELS, MAX_PIXELS = 3136, 12544
 def resize(processor):
     """The dataset's resize to the processor's grid, with the tests' pixel bounds."""
     ip = processor.image_processor
-    return lambda image: resize_to_grid(image, ip.patch_size * ip.merge_size, MIN_PIXELS, MAX_PIXELS)
+    sizes = QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)
+    return lambda image: resize_to_grid(image, sizes)
 
 
 @contextmanager
@@ -32,7 +36,7 @@ def tiny_engine(model_dir, processor, max_model_len: int, seed: int = 5):
         str(model_dir), dtype="float32", seed=seed, max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
+        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer), QWEN_MARKERS),
     )  # fmt: skip
     try:
         yield engine
@@ -49,7 +53,7 @@ def new_endpoint(engine, processor, max_model_len: int, max_tokens: int) -> Agen
     """An endpoint (not started) over ``engine``, rendering with the processor's own template."""
     renderer = ChatRenderer(
         processor, resize=resize(processor), template_has_tools=template_has_tools(processor.chat_template),
-        tools_message=tools_system_message,
+        tools_message=tools_system_message, family=family_at(processor.tokenizer.name_or_path),
     )  # fmt: skip
     return AgentEndpoint(engine, renderer, EndpointLimits(max_model_len=max_model_len, max_tokens=max_tokens))
 

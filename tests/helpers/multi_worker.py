@@ -32,6 +32,7 @@ from vlmrl.loggers.tracking import RunInfo, Tracker
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.micro_batches import MicroBatching
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 
 def fixed_batch(config, model, processor):
@@ -41,7 +42,7 @@ def fixed_batch(config, model, processor):
     so that the workers must also reproduce one process on multi-turn rows: loss-mask gaps inside a row.
     """
     dataset = _dataset(config, config.data.train_files, processor)
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     allowed_ids = allowed.nonzero().flatten()
     gen = torch.Generator().manual_seed(0)
 

@@ -50,6 +50,7 @@ register_resolvers()  # run as its own process: quickstart.yaml names its model 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.engine.vllm import VLLMEngine
 from vlmrl.weight_sync import EngineSink, WeightSync
 
@@ -66,7 +67,7 @@ def setup(model_dir, max_model_len, min_pixels, max_pixels, rank=0, world=1, sto
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     processor = AutoProcessor.from_pretrained(model_dir)
-    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
     rollout = VLLMEngine(
         str(engine_dir or model_dir), dtype="float32", seed=0, max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
         enforce_eager=True, gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels,

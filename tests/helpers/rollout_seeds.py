@@ -19,6 +19,7 @@ from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.testing.assets import ensure_tiny_assets  # noqa: E402
 from vlmrl.rollout.engine import Sampling  # noqa: E402
 from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests  # noqa: E402
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.rollout.engine.vllm import VLLMEngine  # noqa: E402
 
 PROMPTS = 24
@@ -40,7 +41,7 @@ def main() -> None:
         # One engine step holds far fewer tokens than the 24 prompts (~60 tokens each).
         max_num_batched_tokens=max_model_len, enforce_eager=True, gpu_memory_utilization=0.5,
         cpu_kvcache_space_gb=1, min_pixels=data.min_pixels, max_pixels=data.max_pixels,
-        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer)),
+        allowed_tokens=sampling_mask(processor.tokenizer, len(processor.tokenizer), QWEN_MARKERS),
     )  # fmt: skip
     sampling = Sampling(n=2, temperature=1.0, max_tokens=data.max_response_length, want_log_probs=False)
     ids = list(range(PROMPTS))

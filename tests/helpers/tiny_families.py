@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
@@ -21,7 +22,7 @@ def family_prompts(family: str, directory, train_file):
         str(train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
         image_dir=None, max_prompt_length=2048, min_pixels=3136, max_pixels=12544, model_config=config,
     )  # fmt: skip
-    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size)
+    allowed = sampling_mask(processor.tokenizer, config.get_text_config().vocab_size, QWEN_MARKERS)
     return path, [dataset[0], dataset[1]], allowed
 
 

@@ -26,6 +26,7 @@ from vlmrl.testing.resolvers import register_resolvers
 register_resolvers()  # run as its own process: quickstart.yaml names its model and data as ${tiny:...}
 from vlmrl.data.dataset import RLHFDataset  # noqa: E402
 from vlmrl.rollout.engine.sampling import sampling_mask  # noqa: E402
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 
 
 def main() -> None:
@@ -61,7 +62,7 @@ def greedy(model_dir: str, data_file: str, requests: list[str], data) -> list[di
         logprobs_mode="processed_logprobs",
     )
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
-    allowed = sampling_mask(processor.tokenizer, vocab_size).nonzero().flatten().tolist()
+    allowed = sampling_mask(processor.tokenizer, vocab_size, QWEN_MARKERS).nonzero().flatten().tolist()
     results = []
     for request in requests:
         row, max_tokens = (int(x) for x in request.split(":"))

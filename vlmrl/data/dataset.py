@@ -38,16 +38,15 @@ from vlmrl.data.errors import BadRowError, DataError
 from vlmrl.data.media import (
     MediaError,
     Video,
-    grid_size,
     load_video,
     open_image,
     resize_to_grid,
 )
-from vlmrl.data.positions import MRope
 from vlmrl.data.sources import load_rows
+from vlmrl.models import family_of
 from vlmrl.records import PromptSample
 
-__all__ = ["BadRowError", "DataError", "RLHFDataset", "grid_size"]
+__all__ = ["BadRowError", "DataError", "RLHFDataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +141,14 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.on_bad_sample = BadSamplePolicy(on_bad_sample)
         self.format_template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
         self.chat_template = override_chat_template
-        # The positions depend on the model family; the processor directory holds its config too.
+        # The positions and the resizing are the model family's; the processor directory holds its config too.
         config = model_config or AutoConfig.from_pretrained(self.tokenizer.name_or_path)
-        self.text_only = not hasattr(config, "vision_config")
+        self.model_config = config
+        self.family = family_of(config)
+        self.text_only = not self.family.vision
         """A text causal LM: rows with images or videos are refused, positions are 0 .. L-1."""
-        self.mrope = None if self.text_only else MRope.from_config(config)
-        if not self.text_only:
-            image_processor = processor.image_processor
-            self.patch_size = image_processor.patch_size
-            self.resize_factor = image_processor.patch_size * image_processor.merge_size
+        self.rotary = self.family.positions(config)
+        self.sizes = None if self.text_only else self.family.sizes(processor, min_pixels, max_pixels)
 
         self.rows = load_rows(files)
         for key, setting in (
@@ -312,8 +310,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         text = self._render_prompt(prompt, len(images), len(videos), where)
         raw_prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         for kind, token_id, count in (
-            ("image", self.mrope.image_token_id, len(images)),
-            ("video", self.mrope.video_token_id, len(videos)),
+            ("image", self.model_config.image_token_id, len(images)),
+            ("video", self.model_config.video_token_id, len(videos)),
         ):
             if raw_prompt_ids.count(token_id) != count:
                 raise BadRowError(
@@ -334,7 +332,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         mm_inputs = {k: out[k] for k in MODEL_INPUT_KEYS if k in out}
         try:
             # Also the guard against "Image features and image tokens do not match" in the model.
-            position_ids = self.mrope.positions(
+            position_ids = self.rotary.positions(
                 input_ids,
                 {
                     **mm_inputs,
@@ -423,7 +421,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         for n, item in enumerate(_as_list(row.get(self.image_key))):
             try:
                 image = open_image(item, self.image_dir, self.allow_outside)
-                images.append(resize_to_grid(image, self.resize_factor, self.min_pixels, self.max_pixels))
+                images.append(resize_to_grid(image, self.sizes))
             except MediaError as e:
                 raise BadRowError(where, self.image_key, f"image {n}: {e}") from e
         return images
@@ -435,15 +433,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         for n, item in enumerate([value] if isinstance(value, str) else _as_list(value)):
             try:
                 videos.append(
-                    load_video(
-                        item,
-                        self.image_dir,
-                        self.video_fps,
-                        self.patch_size,
-                        self.min_pixels,
-                        self.max_pixels,
-                        allow_outside=self.allow_outside,
-                    )
+                    load_video(item, self.image_dir, self.video_fps, self.sizes, allow_outside=self.allow_outside)
                 )
             except MediaError as e:
                 raise BadRowError(where, self.video_key, f"video {n}: {e}") from e

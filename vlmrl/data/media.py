@@ -1,15 +1,18 @@
 """Images and videos of a row: read, resized once to the processor's grid, and described for vLLM.
 
+The resizing is the model family's (``vlmrl.models.MediaSizes``); what is
+here reads media, samples a video's frames and guards what may be read.
+
 Both the actor's processor (called with ``do_resize=False``) and vLLM get the
 pixels made here, so the two see the same grid and expand a placeholder into
 the same number of tokens.
 
 Video files are decoded with PyAV (a dependency of qwen-vl-utils) and sampled
-at ``video_fps``; the frames then go through qwen-vl-utils' ``fetch_video``,
-which resizes them to the grid and pads the count to an even number. The
-qwen-vl-utils readers for files need decord or torchcodec, or torchvision's
-``read_video``, which torchvision 0.29 no longer has; decoding here works with
-what is installed.
+at ``video_fps``; the frames then go through the family's video resizing (for
+the Qwen-VL families qwen-vl-utils' ``fetch_video``, which resizes them to the
+grid and pads the count to an even number). The qwen-vl-utils readers for
+files need decord or torchcodec, or torchvision's ``read_video``, which
+torchvision 0.29 no longer has; decoding here works with what is installed.
 
 Where media may come from: local files and bytes only. A path with a scheme
 (``http://``, ``s3://``, ``hf://``, any ``NAME://``) is refused in every form
@@ -41,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from vlmrl.models import MediaSizes
 from vlmrl.user_code import resolved_from
 
 
@@ -101,23 +104,6 @@ def _check_pixels(image: Image.Image) -> None:
         )
 
 
-def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) on the processor's grid, within [min_pixels, max_pixels].
-
-    The processor's own smart_resize keeps each side at least one grid cell,
-    which for a very wide or tall image can exceed max_pixels; the long side is
-    then cut back. The result is a fixed point of smart_resize, so vLLM's
-    processor and the actor's see the same grid.
-    """
-    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    if h * w > max_pixels:
-        if h <= w:
-            w = max(factor, max_pixels // h // factor * factor)
-        else:
-            h = max(factor, max_pixels // w // factor * factor)
-    return h, w
-
-
 def open_image(item: Any, image_dir: Path | None, allow_outside: bool = False) -> Image.Image:
     """An RGB PIL image from a PIL image, bytes, a path, or a ``{"bytes", "path"}`` dict (bytes first).
 
@@ -156,12 +142,12 @@ def open_image(item: Any, image_dir: Path | None, allow_outside: bool = False) -
         raise MediaError(f"unreadable image ({type(e).__name__}: {e})") from e
 
 
-def resize_to_grid(image: Image.Image, factor: int, min_pixels: int, max_pixels: int) -> Image.Image:
+def resize_to_grid(image: Image.Image, sizes: MediaSizes) -> Image.Image:
+    """``image`` resized by the family's ``sizes``; MediaError where it cannot be."""
     try:
-        height, width = grid_size(image.height, image.width, factor, min_pixels, max_pixels)
-    except ValueError as e:  # smart_resize refuses aspect ratios over 200
+        return sizes.image(image)
+    except ValueError as e:  # Qwen's smart_resize refuses aspect ratios over 200
         raise MediaError(f"image of {image.width}x{image.height} px cannot be used ({e})") from e
-    return image.resize((width, height), Image.Resampling.BICUBIC)
 
 
 @dataclass
@@ -254,9 +240,7 @@ def load_video(
     item: Any,
     image_dir: Path | None,
     fps: float,
-    patch_size: int,
-    min_pixels: int,
-    max_pixels: int,
+    sizes: MediaSizes,
     allow_outside: bool = False,
     max_frames: int = MAX_VIDEO_FRAMES,
 ) -> Video:
@@ -264,14 +248,9 @@ def load_video(
     frames (each anything ``open_image`` reads).
 
     At most ``max_frames`` frames are kept (a longer frame list is sampled evenly, and its rate lowered to
-    match), and each frame is resized as it is read, as qwen-vl-utils' ``fetch_video`` would resize it.
+    match), and each frame is resized as it is read (``sizes.frame``), then the frames as a video (``sizes.video``).
     """
-    from qwen_vl_utils import fetch_image, fetch_video
-
-    def fit(frame: Image.Image) -> Image.Image:
-        # fetch_video's own resize of each listed frame; done here at read time, it finds the frame already
-        # at its size and leaves the pixels as they are.
-        return fetch_image({"image": frame, "min_pixels": min_pixels, "max_pixels": max_pixels}, patch_size * 2)
+    fit = sizes.frame
 
     if isinstance(item, dict) and ("bytes" in item or "path" in item):
         item = item.get("bytes") or item.get("path")
@@ -298,15 +277,7 @@ def load_video(
     if len(frames) == 1:
         frames = frames * 2  # the temporal patch spans two frames
     try:
-        video = fetch_video(
-            {
-                "video": frames,
-                "sample_fps": rate,
-                "min_pixels": min_pixels,
-                "max_pixels": max_pixels,
-            },
-            image_patch_size=patch_size,
-        )
+        video = sizes.video(frames, rate)
     except (ValueError, RuntimeError) as e:
         raise MediaError(f"video frames cannot be used ({type(e).__name__}: {e})") from e
     return Video(frames=video, fps=rate)

@@ -113,6 +113,7 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     from vlmrl.data.chat import tools_system_message
     from vlmrl.data.dataset import MODEL_INPUT_KEYS
     from vlmrl.data.media import resize_to_grid
+    from vlmrl.models.qwen_vision import QwenMediaSizes
     from vlmrl.rollout.turns.observations import ConversationRenderer
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -124,10 +125,10 @@ def agent_format_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int 
     covered = synthetic.blanked(synthetic.shape_colour_sample(rng)).image
     colours = sorted(synthetic.COLOURS)
     ip = processor.image_processor
-    factor = ip.patch_size * ip.merge_size
+    sizes = QwenMediaSizes.of(ip, 3136, 12544)
 
     def grid(image):
-        return resize_to_grid(image, factor, 3136, 12544)
+        return resize_to_grid(image, sizes)
 
     messages = [
         {"role": "system", "content": tools_system_message([reveal_schema()])},

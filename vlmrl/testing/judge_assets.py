@@ -78,6 +78,7 @@ def judge_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int = STEPS
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlmrl.data.media import resize_to_grid
+    from vlmrl.models.qwen_vision import QwenMediaSizes
     from vlmrl.reward.judging import DEFAULT_TEMPLATE, compile_template, judge_conversation
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -87,13 +88,13 @@ def judge_tune(model_dir: Path, out_dir: Path, seed: int = 0, steps: int = STEPS
     model.model.visual.requires_grad_(False)  # the verdict is read from the text; the judge sees as the base does
     template = compile_template(DEFAULT_TEMPLATE)
     ip = processor.image_processor
-    factor = ip.patch_size * ip.merge_size
+    sizes = QwenMediaSizes.of(ip, 3136, 12544)
     prompt_text = quickstart_prompt_text(processor)
     colours = sorted(synthetic.COLOURS)
 
     def pictures(rng: random.Random, n: int) -> list:
         samples = [synthetic.TASKS["shape_colour"](rng) for _ in range(n)]
-        return [(s.answer, resize_to_grid(s.image.convert("RGB"), factor, 3136, 12544)) for s in samples]
+        return [(s.answer, resize_to_grid(s.image.convert("RGB"), sizes)) for s in samples]
 
     def wrong_answer(rng: random.Random, truth: str) -> str:
         if rng.random() < 0.8:

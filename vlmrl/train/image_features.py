@@ -26,20 +26,26 @@ import types
 
 import torch
 
+from vlmrl.models import family_of
+
 __all__ = ["distinct_images", "share_image_features"]
 
 
 def share_image_features(model: torch.nn.Module) -> int:
-    """Wrap the ``get_image_features`` of each module of ``model`` that holds a vision tower (``visual``).
+    """Wrap the ``get_image_features`` of each module of ``model`` that holds its family's vision tower
+    (``Family.vision_tower``: ``visual`` for the Qwen-VL families).
 
     Returns how many modules were wrapped (0 for a text model, and for one wrapped before). Call it before
     sharding or adding adapters: it sets a bound method on the module instance, which neither touches. The
     method reaches the class's own ``get_image_features`` through the module it is bound to, so a copy of the
     model (``copy.deepcopy`` rebinds bound methods to the copy) encodes with its own tower.
     """
+    tower = family_of(model.config).vision_tower
+    if tower is None:
+        return 0
     wrapped = 0
     for module in model.modules():
-        if "visual" not in module._modules or not hasattr(type(module), "get_image_features"):
+        if tower not in module._modules or not hasattr(type(module), "get_image_features"):
             continue
         if getattr(module.__dict__.get("get_image_features"), "__func__", None) is _shared_get_image_features:
             continue

@@ -36,23 +36,22 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from vlmrl.config import LoraConfig
-
-VISUAL_MODULES = r".*visual.*"
-"""Default exclude_modules: no adapter anywhere in the vision tower (Qwen-VL names it ``model.visual``)."""
+from vlmrl.models import family_of
 
 ADAPTER = "default"
 """peft's name for the one adapter vlmrl trains."""
 
 
-def peft_config(cfg: LoraConfig) -> peft.LoraConfig:
-    """The peft config of a ``model.lora`` section (rank > 0)."""
+def peft_config(cfg: LoraConfig, family_exclude: str | None = None) -> peft.LoraConfig:
+    """The peft config of a ``model.lora`` section (rank > 0); without the section's own exclude_modules, the
+    model family's (``Family.lora_exclude``: the vision tower)."""
     targets = cfg.target_modules.strip()
     return peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         # "all-linear" is peft's own keyword (every Linear but the output head); otherwise module names.
         target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
-        exclude_modules=VISUAL_MODULES if cfg.exclude_modules is None else cfg.exclude_modules,
+        exclude_modules=family_exclude if cfg.exclude_modules is None else cfg.exclude_modules,
         lora_dropout=0.0,  # dropout would make the actor's log-probs differ from the engine's
         bias="none",
     )
@@ -71,7 +70,8 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig, key: str = "worker.actor.m
     the message names the config section ``key``.
     """
     try:
-        peft.inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
+        config = peft_config(cfg, family_of(model.config).lora_exclude)
+        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft's "No modules were targeted for adaptation", and its other config errors
         raise ValueError(
             f"{key}: target_modules={cfg.target_modules!r} with exclude_modules="

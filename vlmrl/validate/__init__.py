@@ -14,7 +14,8 @@ The rules are grouped by what they look at:
   function, the checkpoint to resume, the loggers' packages);
 * ``numbers``: single values and batch arithmetic;
 * ``features``: settings that must agree with each other, the devices, and
-  what vlmrl does not support yet.
+  what vlmrl does not support yet;
+* ``models``: the model's family (its ``model_type``) has an adapter.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vlmrl.validate.features import (
     proximal_problems,
 )
 from vlmrl.validate.files import checkpoint_problems, logger_problems, model_problems, path_problems
+from vlmrl.validate.models import family_problems
 from vlmrl.validate.numbers import batch_problems, range_problems, schedule_problems, validation_problems
 
 __all__ = ["load_config", "logger_problems", "validate"]
@@ -80,6 +82,7 @@ def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str,
     return [
         *path_problems(config, pending),
         *model_problems(config),
+        *family_problems(config),
         *range_problems(config),
         *batch_problems(config),
         *schedule_problems(config),

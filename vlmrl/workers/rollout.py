@@ -16,6 +16,7 @@ import torch
 
 from vlmrl import workflows
 from vlmrl.config import Config
+from vlmrl.models import family_at
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import Sampling
@@ -53,8 +54,8 @@ class RolloutWorker:
             limit_images=rollout_cfg.limit_images,
             hf_overrides=config.worker.actor.model.override_config,
         )
-        vocab = tokenizer.get_vocab()
-        self.pad_ids = tuple(vocab.get(t, -1) for t in ("<|image_pad|>", "<|video_pad|>"))
+        family = family_at(config.worker.actor.model.model_path, config.worker.actor.model.trust_remote_code)
+        self.pad_ids = family.media_pad_ids(tokenizer)
         """The image and the video pad token (-1 for one the tokenizer lacks)."""
         self.kind: RolloutKind = workflows.build(config, plan, self.engine, processor, self.pad_ids)
 

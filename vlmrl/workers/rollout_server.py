@@ -36,6 +36,7 @@ from transformers import AutoConfig
 
 from vlmrl.config import Config
 from vlmrl.heap import started
+from vlmrl.models import family_of
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.endpoint.loop import EngineLoop
@@ -71,7 +72,7 @@ class RolloutServer:
         # The trainer bans the same tokens from the actor's vocabulary (``TrainerWorker.allowed_tokens``).
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
         apply_overrides(hf_config, dict(model.override_config))
-        allowed = sampling_mask(tokenizer, hf_config.get_text_config().vocab_size)
+        allowed = sampling_mask(tokenizer, hf_config.get_text_config().vocab_size, family_of(hf_config).banned_tokens)
         # RolloutWorker's construction, unchanged; with the modes above refused it builds only the engine.
         worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor)
         self.engine, self.pad_ids = worker.engine, worker.pad_ids

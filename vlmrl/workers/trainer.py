@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from vlmrl.config import Config, LoraConfig
+from vlmrl.models import family_of
 from vlmrl.plan import Plan, weights_dtype
 from vlmrl.records import Trajectory
 from vlmrl.rollout.engine.sampling import sampling_mask
@@ -129,8 +130,10 @@ class TrainerWorker:
         self.actor = _load_sharded(
             model_path, dtype, meshes.of(actor_cfg.fsdp), trust, actor_sharding, self.lora, overrides
         )
+        self.family = family_of(self.actor.config)
+        """The model's family (``vlmrl.models``): its vision tower and the tokens a response may not hold."""
         if actor_cfg.model.freeze_vision_tower:
-            for p in self.actor.model.visual.parameters():
+            for p in self.family.tower(self.actor).parameters():
                 p.requires_grad_(False)
         if actor_cfg.model.enable_gradient_checkpointing:
             self.actor.gradient_checkpointing_enable()
@@ -183,11 +186,13 @@ class TrainerWorker:
         self.reference = None
         if plan.use_reference:
             self.reference = ReferencePolicy(self.ref if self.ref is not None else self.actor, self.lora is not None)
-        self.allowed_tokens = sampling_mask(self.tokenizer, self.actor.config.get_text_config().vocab_size)
+        banned = self.family.banned_tokens
+        self.allowed_tokens = sampling_mask(self.tokenizer, self.actor.config.get_text_config().vocab_size, banned)
         """The tokens a response may hold; the log-probs are restricted to them as the rollout's sampling is."""
         self.teacher_tokens = None
         if self.teacher is not None:  # the same tokenizer (validated), but the teacher's vocabulary may be padded
-            self.teacher_tokens = sampling_mask(self.tokenizer, self.teacher.config.get_text_config().vocab_size)
+            teacher_vocab = self.teacher.config.get_text_config().vocab_size
+            self.teacher_tokens = sampling_mask(self.tokenizer, teacher_vocab, banned)
         self.experience_batching = MicroBatching(
             actor_cfg.micro_batch_size_per_device_for_experience,
             plan.experience_token_budget,

@@ -27,7 +27,7 @@ import torch
 from vlmrl.config import AgentFailurePolicy, Config
 from vlmrl.data.chat import template_has_tools, tools_system_message
 from vlmrl.data.dataset import MODEL_INPUT_KEYS
-from vlmrl.data.media import resize_to_grid
+from vlmrl.models import family_at
 from vlmrl.plan import Plan
 from vlmrl.records import Media, PromptSample, Trajectory
 from vlmrl.rollout.agents.runner import AgentRunner, AgentStatus, AgentTask, RolloutRecord, load_agent, load_hooks
@@ -76,16 +76,18 @@ class OpenAIAgent(RolloutKind):
         return cls(config, plan, engine, processor, family_positions(config.worker.actor.model.model_path))
 
     def __init__(self, config: Config, plan: Plan, engine: Engine, processor, positions: Positions):
+        from vlmrl.workflows.rendering import image_resize
+
         data, rollout = config.data, config.worker.rollout
         opts = rollout.agent_options
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_processor = getattr(processor, "image_processor", None)
         template = data.override_chat_template or getattr(processor, "chat_template", None) or self.tokenizer.chat_template
-        factor = self.image_processor.patch_size * self.image_processor.merge_size if self.image_processor else 28
-        rgb = lambda image: image if image.mode == "RGB" else image.convert("RGB")  # the endpoint decodes to RGB
+        family = family_at(config.worker.actor.model.model_path)
         renderer = ChatRenderer(
             processor,
-            resize=lambda image: resize_to_grid(rgb(image), factor, data.min_pixels, data.max_pixels),
+            family=family,
+            resize=image_resize(family, processor, data.min_pixels, data.max_pixels),  # the endpoint decodes to RGB
             chat_template=data.override_chat_template,
             template_has_tools=template_has_tools(template),
             tools_message=tools_system_message,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import torch
 from transformers import AutoConfig
 
 from vlmrl.config import Config
 from vlmrl.data.chat import template_has_tools
 from vlmrl.data.dataset import MODEL_INPUT_KEYS
 from vlmrl.data.media import resize_to_grid
-from vlmrl.data.positions import MRope
+from vlmrl.models import Family, family_at, family_of
 from vlmrl.rollout.turns.observations import ConversationRenderer
 
 
@@ -17,20 +16,23 @@ def family_positions(model_path: str):
     """``(token ids, mm inputs) -> (3, n)`` rotary positions of the model's family (Qwen2/2.5/3-VL's 3-D scheme;
     for a text model, one position per token on every axis)."""
     model_config = AutoConfig.from_pretrained(model_path)
-    if getattr(model_config, "vision_config", None) is not None:
-        return MRope.from_config(model_config).positions
+    return family_of(model_config).positions(model_config).positions
 
-    def positions(ids, _mm):
-        return torch.arange(len(ids), dtype=torch.long).expand(3, len(ids)).clone()
 
-    return positions
+def image_resize(family: Family, processor, min_pixels: int, max_pixels: int):
+    """An image -> RGB on the family's grid within the pixel budget (a text family: the image as RGB, which its
+    processor then refuses)."""
+    rgb = lambda image: image if image.mode == "RGB" else image.convert("RGB")
+    if not family.vision:
+        return rgb
+    sizes = family.sizes(processor, min_pixels, max_pixels)
+    return lambda image: resize_to_grid(rgb(image), sizes)
 
 
 def conversation_renderer(config: Config, processor, tool_schemas: list[dict]) -> ConversationRenderer:
     """The renderer of what follows a model turn, with the config's chat template, tools and image sizes."""
     data = config.data
-    image_processor = getattr(processor, "image_processor", None)
-    factor = image_processor.patch_size * image_processor.merge_size if image_processor is not None else 28
+    family = family_at(config.worker.actor.model.model_path)
     tokenizer = getattr(processor, "tokenizer", processor)
     template = data.override_chat_template or getattr(processor, "chat_template", None) or tokenizer.chat_template
     return ConversationRenderer(
@@ -38,6 +40,6 @@ def conversation_renderer(config: Config, processor, tool_schemas: list[dict]) -
         chat_template=data.override_chat_template,
         tools=tool_schemas,
         template_has_tools=template_has_tools(template),
-        resize=lambda image: resize_to_grid(image.convert("RGB"), factor, data.min_pixels, data.max_pixels),
+        resize=image_resize(family, processor, data.min_pixels, data.max_pixels),
         model_input_keys=MODEL_INPUT_KEYS,
     )

@@ -58,6 +58,8 @@ from typing import Any
 
 from PIL import Image
 
+from vlmrl.models import Family
+
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -121,8 +123,7 @@ class ChatRenderer:
         chat_template: str | None = None,
         template_has_tools: bool = False,
         tools_message: Callable[[list[dict]], str] | None = None,
-        image_token: str = "<|image_pad|>",
-        vision_tokens: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+        family: Family,
     ):
         """
         Args:
@@ -133,8 +134,8 @@ class ChatRenderer:
             template_has_tools: whether the template renders ``tools=`` (``vlmrl.data.chat.template_has_tools``).
             tools_message: tools -> the system message that shows them, for templates that do not render them
                 (``vlmrl.data.chat.tools_system_message``); without it such a template refuses requests with tools.
-            image_token: the placeholder the template writes per image.
-            vision_tokens: tokens a completion prompt given as ids may not hold (it carries no images).
+            family: the model's family: the placeholder the template writes per image, and the tokens a
+                completion prompt given as ids may not hold (it carries no images).
         """
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -145,8 +146,8 @@ class ChatRenderer:
         self.template_has_tools = template_has_tools
         self.tools_message = tools_message
         vocab = self.tokenizer.get_vocab()
-        self.image_token_id = vocab.get(image_token)
-        self.vision_token_ids = frozenset(vocab[t] for t in vision_tokens if t in vocab)
+        self.image_token_id = vocab.get(family.image_token) if family.image_token is not None else None
+        self.vision_token_ids = frozenset(vocab[t] for t in family.banned_tokens if t in vocab)
 
     # ------------------------------------------------------------------ prompts
 

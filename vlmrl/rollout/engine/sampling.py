@@ -2,9 +2,10 @@
 
 A randomly initialised (or badly drifting) policy can sample vision special
 tokens; a response holding one breaks the actor's forward ("Image features and
-image tokens do not match"). Those tokens are banned at sampling time, and the
-actor applies the same ban when it computes log-probs, so the policy that is
-trained is exactly the one that sampled.
+image tokens do not match"). Those tokens (the model family's
+``banned_tokens``) are banned at sampling time, and the actor applies the same
+ban when it computes log-probs, so the policy that is trained is exactly the
+one that sampled.
 """
 
 from __future__ import annotations
@@ -17,25 +18,17 @@ import torch
 from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import EngineRequest, Sampling
 
-VISION_SPECIAL_TOKENS = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-
-def sampling_mask(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+def sampling_mask(tokenizer: Any, vocab_size: int, banned: tuple[str, ...]) -> torch.Tensor:
     """(vocab_size,) bool: the tokens a response may contain.
 
-    Excluded: the vision special tokens, and the embedding rows past the
-    tokenizer's vocabulary (padding rows no text can decode to).
+    Excluded: ``banned`` (the model family's ``banned_tokens``, its vision
+    markers), and the embedding rows past the tokenizer's vocabulary (padding
+    rows no text can decode to).
     """
     allowed = torch.zeros(vocab_size, dtype=torch.bool)
     allowed[: min(len(tokenizer), vocab_size)] = True
     vocab = tokenizer.get_vocab()
-    for token in VISION_SPECIAL_TOKENS:
+    for token in banned:
         if token in vocab:
             allowed[vocab[token]] = False
     return allowed

@@ -1,0 +1,111 @@
+"""What a model family decides, as one record: ``Family``.
+
+A family is one ``model_type`` of transformers' configs. Its adapter module
+(``qwen2_vl``, ``qwen3_vl``, ``qwen_text``) fills a ``Family`` with what the
+rest of vlmrl would otherwise have to know about it: the special tokens a
+response may not hold and the media placeholders, the rotary positions of a
+prompt, how images and videos are resized to the processor's grid, where the
+vision tower sits and what LoRA leaves alone. Callers choose the family once
+from the model's config (``vlmrl.models.family_of``) and then ask it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from PIL import Image
+
+
+class RotaryPositions(Protocol):
+    """A family's rotary scheme for one model config."""
+
+    def positions(self, input_ids: list[int], mm_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(3, len(input_ids)) positions of an unpadded sequence; ValueError if its tokens and media disagree."""
+        ...
+
+
+class MediaSizes(Protocol):
+    """A family's resizing of images and video frames to its processor's grid, within a pixel budget."""
+
+    def image(self, image: Image.Image) -> Image.Image:
+        """``image`` on the grid; ValueError if it cannot be (an extreme aspect ratio)."""
+        ...
+
+    def frame(self, frame: Image.Image) -> Image.Image:
+        """One video frame, resized as it is read."""
+        ...
+
+    def video(self, frames: list[Image.Image], fps: float) -> torch.Tensor:
+        """(T, C, H, W) float frames on the grid, ready for the processor (T as the family's temporal patch needs)."""
+        ...
+
+
+class TextPositions:
+    """One position per token, the same on all three rows (a text model reads one of them)."""
+
+    def positions(self, input_ids: list[int], mm_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        n = len(input_ids)
+        return torch.arange(n, dtype=torch.long).expand(3, n).clone()
+
+
+def text_positions(config: Any) -> TextPositions:
+    """The rotary scheme of any text family."""
+    return TextPositions()
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: what its adapter module decides, and the questions callers ask of it."""
+
+    name: str
+    """For people: "Qwen2.5-VL"."""
+    model_type: str
+    """transformers' ``config.model_type`` of the family's checkpoints."""
+    banned_tokens: tuple[str, ...]
+    """Special tokens a response may not hold (the vision markers: a sampled one breaks the actor's forward). A
+    tokenizer that lacks one simply has nothing to ban for it."""
+    rotary: Callable[[Any], RotaryPositions]
+    """config -> the family's rotary scheme for that config."""
+    image_token: str | None = None
+    """The placeholder the chat template writes per image, which the processor expands; None: a text family."""
+    video_token: str | None = None
+    """The placeholder per video."""
+    vision_tower: str | None = None
+    """The attribute that holds the vision tower on the module that owns it (``model.visual`` on the HF model:
+    ``"visual"``); None for a text family."""
+    lora_exclude: str | None = None
+    """peft's ``exclude_modules`` when the user gives none: the vision tower gets no adapters."""
+    media_sizes: Callable[[Any, int, int], MediaSizes] | None = None
+    """(image processor, min_pixels, max_pixels) -> the family's resizing; None for a text family."""
+
+    @property
+    def vision(self) -> bool:
+        """A vision-language family (images and videos in prompts)."""
+        return self.image_token is not None
+
+    def positions(self, config: Any) -> RotaryPositions:
+        """The rotary scheme of a model of this family with transformers config ``config``."""
+        return self.rotary(config)
+
+    def media_pad_ids(self, tokenizer: Any) -> tuple[int, int]:
+        """The image and the video placeholder ids in ``tokenizer`` (-1 for one it lacks, and for a text family)."""
+        vocab = tokenizer.get_vocab()
+        return tuple(vocab.get(t, -1) if t is not None else -1 for t in (self.image_token, self.video_token))
+
+    def tower(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The vision tower of ``model`` (wrapped or not: the first module that holds it), None for a text family."""
+        if self.vision_tower is None:
+            return None
+        for module in model.modules():
+            if self.vision_tower in module._modules:
+                return module._modules[self.vision_tower]
+        return None
+
+    def sizes(self, processor: Any, min_pixels: int, max_pixels: int) -> MediaSizes:
+        """The resizing of the images and videos of a model with ``processor``, within the pixel budget."""
+        if self.media_sizes is None:
+            raise ValueError(f"{self.name} ({self.model_type}) is a text family: its models take no images")
+        return self.media_sizes(processor.image_processor, min_pixels, max_pixels)

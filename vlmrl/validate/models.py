@@ -1,0 +1,33 @@
+"""The model's family must have an adapter (``vlmrl.models``): checked from config.json alone, before Ray starts
+or any weight loads. Hub ids are left to the workers, which pick the family from the Hub's config the same way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlmrl.config import Config
+from vlmrl.models import UnsupportedFamily, family_of
+from vlmrl.plan import uses_critic
+
+
+def family_problems(config: Config) -> list[str]:
+    """One problem per local model (the actor's, and the critic's when it has its own) whose ``model_type`` no
+    family adapter covers, naming the key, the model_type and the supported families."""
+    models = [("worker.actor.model.model_path", config.worker.actor.model.model_path)]
+    if uses_critic(config) and config.worker.critic.model.model_path:
+        models.append(("worker.critic.model.model_path", config.worker.critic.model.model_path))
+    problems = []
+    for key, path in models:
+        config_file = Path(path) / "config.json" if path else None
+        if config_file is None or not config_file.is_file():
+            continue  # a missing path is path_problems'; a Hub id the workers'
+        try:
+            model_config = json.loads(config_file.read_text())
+        except json.JSONDecodeError:
+            continue  # model_problems reports it
+        try:
+            family_of(model_config)
+        except UnsupportedFamily as e:
+            problems.append(f"{key}={path}: {e}; give a model of a supported family")
+    return problems
