@@ -81,6 +81,7 @@ def test_a_vision_familys_positions_are_its_models_own(vision_dirs, model_type):
     assert adapter is family(model_type)
     config = AutoConfig.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert adapter.tower(model) is model.model.visual  # what freeze_vision_tower freezes
     # Two images of different grids between text: each run starts after the text, the text resumes past it.
     grids = torch.tensor([[1, 4, 6], [1, 6, 4]])
     merged = [int(g.prod()) // config.vision_config.spatial_merge_size**2 for g in grids]
