@@ -9,6 +9,13 @@
 # one after another. The slowest tests are listed at the end, to see where the suite's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The tiny model and the quickstart's tuned one, which most tests use: built (once per clone) before pytest
+# starts, so that no test's timeout runs while a worker waits for the other to build them.
+if ! assets_log=$(.venv/bin/python -m vlmrl.testing.assets --quickstart 2>&1); then
+    echo "$assets_log" >&2
+    echo "test.sh: building the tiny test assets failed" >&2
+    exit 1
+fi
 .venv/bin/python -m pytest -q -n "${VLMRL_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
