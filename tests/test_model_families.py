@@ -18,10 +18,11 @@ from vlmrl.testing.assets import ensure_text_assets
 
 VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 TEXT = ["qwen2", "qwen3"]
+OTHER = ["glm4v"]  # tested in its own module, tests/test_family_glm4v.py
 
 
 def test_the_registry_lists_every_family_by_its_model_type():
-    assert sorted(FAMILIES) == sorted(VISION + TEXT)
+    assert sorted(FAMILIES) == sorted(VISION + TEXT + OTHER)
     for model_type, adapter in FAMILIES.items():
         assert adapter.model_type == model_type and family(model_type) is adapter
 

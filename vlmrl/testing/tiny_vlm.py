@@ -379,10 +379,18 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
     _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, seed, ids, processor)
 
 
+def build_tiny_glm4v(out_dir: Path, seed: int) -> None:
+    """GLM-4.1V (``vlmrl.testing.tiny_glm4v``, which builds on this module's corpus)."""
+    from vlmrl.testing.tiny_glm4v import build_tiny_glm4v as build
+
+    build(out_dir, seed)
+
+
 FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
+    "glm4v": build_tiny_glm4v,
 }
 
 

