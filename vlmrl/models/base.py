@@ -80,6 +80,9 @@ class Family:
     """peft's ``exclude_modules`` when the user gives none: the vision tower gets no adapters."""
     media_sizes: Callable[[Any, int, int], MediaSizes] | None = None
     """(image processor, min_pixels, max_pixels) -> the family's resizing; None for a text family."""
+    no_conversations: str | None = None
+    """Why the family's multi-turn conversations cannot be assembled token by token yet (validation then refuses
+    every rollout kind but single_turn, with this reason); None: they can."""
 
     @property
     def vision(self) -> bool:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from vlmrl.config import Config
+from vlmrl.config.kinds import workflow_name
 from vlmrl.models import UnsupportedFamily, family_of
 from vlmrl.plan import uses_critic
 
@@ -27,7 +28,14 @@ def family_problems(config: Config) -> list[str]:
         except json.JSONDecodeError:
             continue  # model_problems reports it
         try:
-            family_of(model_config)
+            found = family_of(model_config)
         except UnsupportedFamily as e:
             problems.append(f"{key}={path}: {e}; give a model of a supported family")
+            continue
+        kind = workflow_name(config.worker.rollout)
+        if key == "worker.actor.model.model_path" and found.no_conversations and kind != "single_turn":
+            problems.append(
+                f"{key}={path} ({found.name}) with worker.rollout.workflow={kind}: vlmrl cannot train {found.name} "
+                f"on multi-turn rollouts yet ({found.no_conversations}); use worker.rollout.workflow=single_turn"
+            )
     return problems
