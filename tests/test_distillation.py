@@ -1,5 +1,5 @@
 """On-policy distillation (``algorithm.distillation``): the maths with hand-derived numbers, the advantage stage
-that applies it, the refusals before Ray starts, and two steps of a run with a teacher.
+that applies it, the refusals before Ray starts, and two asynchronous steps of a run with a teacher.
 
 The batch used for the maths: two rows, the second one token shorter, log-probs in binary fractions so every sum
 is exact::
@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import ray
 import torch
-from helpers.configs import QUICKSTART, problems_of
+from helpers.configs import CPU, QUICKSTART, problems_of
 
 from vlmrl.algos import (
     DistillEstimator,
@@ -150,6 +150,24 @@ def test_the_stage_replaces_the_reward_advantage_with_the_teacher_signal():
     torch.testing.assert_close(_stage(DistillMode.add, coef=2.0)(batch).advantages, grpo + batch.response_mask)
 
 
+def test_with_coef_0_every_advantage_is_exactly_0_so_nothing_trains_the_example(quickstart_assets):
+    """The baseline the end-to-end learning check is measured against, argued instead of run: with
+    algorithm.distillation.coef=0 and mode=replace every advantage is exactly 0, whatever the teacher says; and the
+    example has nothing else that moves the weights (no KL term, no entropy bonus, no weight decay, no critic),
+    so each step's gradient is 0, AdamW's step is 0, and the student's greedy validation stays its step-0 value."""
+    from vlmrl.validate import load_config
+
+    wild = torch.tensor([[-9.0, -0.1, -30.0], [-0.01, -5.0, -2.0], [-1.0, -1.0, -1.0], [-7.0, -3.0, -3.0]])
+    out = _stage(DistillMode.replace, coef=0.0)(_Batch(wild))
+    assert torch.equal(out.advantages.abs(), torch.zeros(4, 3, dtype=out.advantages.dtype)), out.advantages
+    assert out.metrics["distill/reverse_kl"] != 0 and out.metrics["distill/signal_mean"] == 0
+    config = load_config(["config=examples/distillation.yaml", "algorithm.distillation.coef=0"], CPU)
+    assert config.algorithm.distillation.mode is DistillMode.replace and config.algorithm.distillation.coef == 0
+    actor = config.worker.actor
+    assert config.algorithm.disable_kl and actor.entropy_coeff == 0 and actor.optim.weight_decay == 0
+    assert config.algorithm.adv_estimator.value != "gae"  # no critic
+
+
 def test_the_stage_without_distillation_neither_needs_nor_reads_a_teacher():
     batch = _Batch(None)
     plain = AdvantageStage(AlgorithmConfig(), kl_in_reward=False)(batch)
@@ -228,12 +246,16 @@ def test_a_workflow_whose_advantages_come_before_the_passes_is_refused(quickstar
     assert any(p.startswith(f"{KEY} with worker.rollout.workflow={workflow}") for p in problems), problems
 
 
-# --------------------------------------------------------------------------- two steps with a teacher
+# --------------------------------------------------------------------------- two asynchronous steps with a teacher
 
 @pytest.mark.e2e
-def test_two_steps_with_a_teacher_train_on_its_signal(tmp_path):
-    """examples/distillation.yaml, cut to 2 steps of 2 prompts x 4 samples: the teacher's pass runs, its signal
-    is the advantage (mode=replace), and the update trains on it."""
+def test_two_async_steps_with_a_teacher_train_on_its_signal(tmp_path):
+    """examples/distillation.yaml run asynchronously (worker.rollout.async_rl, eta=1, colocated), cut to 2 steps of
+    2 prompts x 4 samples: step 2 trains tokens one policy version old, the old-log-prob pass gives the proximal
+    student, the teacher's pass runs, its signal is the advantage (mode=replace), and the update trains on it.
+
+    The synchronous schedule is the same loop with the other sampler: its teacher pass and advantage stage are this
+    run's code, and the stage tests above cover it with a batch in hand; one run in the suite covers both."""
     from vlmrl.api import train
 
     small = {
@@ -241,6 +263,7 @@ def test_two_steps_with_a_teacher_train_on_its_signal(tmp_path):
         "worker.actor.micro_batch_size_per_device_for_update": 8, "worker.rollout.n": 4, "data.val_files": "",
         "trainer.val_before_train": False, "trainer.logger": ["file"], "trainer.save_freq": -1,
         "trainer.save_hf_weights": False, "trainer.output_dir": str(tmp_path),
+        "worker.rollout.async_rl.enable": True, "worker.rollout.async_rl.max_head_offpolicyness": 1,
     }  # fmt: skip
     result = train("examples/distillation.yaml", small)
     assert result.steps == 2
@@ -250,6 +273,11 @@ def test_two_steps_with_a_teacher_train_on_its_signal(tmp_path):
     for m in steps:
         # The student (random colours) is far from the teacher (the true colour) on its own samples.
         assert m["distill/reverse_kl"] > 0.05 and m["distill/signal_mean"] != 0, m
-        assert m["timing_s/teacher"] > 0 and m["actor/grad_norm"] > 0, m
+        assert m["timing_s/teacher"] > 0 and m["timing_s/old"] > 0 and m["actor/grad_norm"] > 0, m
         # replace: the advantages are the signal, which no GRPO advantage (zero-mean per group) would match.
         assert m["critic/advantages/mean"] == pytest.approx(m["distill/signal_mean"], abs=1e-4), m
+    # The async path ran: step 1 trains the first version's tokens; step 2's were sampled before update 1, so
+    # the proximal student (the old pass) differs from the one that sampled them, and the teacher scored them.
+    first, second = steps
+    assert first["async/lag/max"] == 0 and second["async/lag/mean"] == 1 and second["async/lag/max"] == 1, second
+    assert second["rollout/log_prob_diff_mean"] > 1e-3, second
