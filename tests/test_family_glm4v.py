@@ -227,3 +227,44 @@ def test_multi_turn_rollouts_are_refused_for_glm_at_validation_and_single_turn_i
     assert "<|user|>" in refused and "use worker.rollout.workflow=single_turn" in refused
     single = problems("worker.rollout.workflow=single_turn", "worker.rollout.workflow_kwargs=null")
     assert not [p for p in single if "multi-turn rollouts yet" in p], single
+
+
+@pytest.fixture(scope="module")
+def cli_steps(tmp_path_factory):
+    """Two steps of the quickstart on ${tiny:glm4v_model_dir} through ``python -m vlmrl.main``: each step's metrics.
+
+    The random model earns no reward (every advantage is 0), so an entropy bonus is what moves the weights; the
+    engine's log-probs are on, so each step logs the rollout-vs-actor gap on the sampled tokens.
+    """
+    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
+
+    out = tmp_path_factory.mktemp("glm4v_cli") / "out"
+    overrides = [
+        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:glm4v_model_dir}",
+        "worker.actor.entropy_coeff=0.5", "worker.actor.optim.lr=1e-3", "data.val_files=",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
+    ]  # fmt: skip
+    proc = run_main(out, *overrides, experiment="glm4v", timeout=900)
+    assert proc.returncode == 0, tail(proc)
+    return [m for m in read_metrics(out, "glm4v") if "actor/pg_loss" in m]
+
+
+@pytest.mark.e2e
+def test_the_quickstart_trains_two_steps_of_the_tiny_glm_through_the_cli(cli_steps):
+    # The whole path for the family: the resolver builds it, validation passes, the FSDP actor and the in-process
+    # engine start on it, and two updates run, each moving the weights.
+    assert [m["step"] for m in cli_steps] == [1, 2], cli_steps
+    assert all(m["actor/grad_norm"] > 0 for m in cli_steps), cli_steps
+    assert cli_steps[1]["actor/entropy_old"] != cli_steps[0]["actor/entropy_old"]
+    assert "mismatch/kl_k1/images_1" in cli_steps[1]  # every row held its image
+    # Before any update the engine's log-probs are the actor's (fp32 on both sides): the weights load alike.
+    assert cli_steps[0]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.xfail(strict=True, reason="GLM-4.1V's weight resync leaves the engine ~4e-3 per token (mean) away from "
+                   "the actor after one update, where the Qwen families stay at ~1e-7; docs/guides/model-families.md")
+def test_after_a_resync_the_glm_engine_samples_with_the_actors_weights(cli_steps):
+    # Step 2 samples from the engine the first update was resynced into: the gap stays at float noise only if the
+    # resync carried every updated weight.
+    assert cli_steps[1]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[1]

@@ -29,7 +29,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
-from vlmrl.testing import agent_assets, assets, distill_assets, judge_assets
+from vlmrl.testing import agent_assets, assets, distill_assets, family_assets, judge_assets
 
 __all__ = ["TinyResolver", "build_missing", "register_resolvers", "tiny_asset"]
 
@@ -81,6 +81,11 @@ GROUPS = {
         "distill_", _fields(distill_assets.DistillAssets), "the distillation example's colour teacher (seconds)",
         lambda cache: cache / f"distill-assets-{distill_assets.distill_version()}", distill_assets.distill_layout,
         distill_assets.ensure_distill_assets, ("tiny", "quickstart"),
+    ),
+    "families": AssetGroup(
+        "", family_assets.names(), "the tiny random models of the other families (seconds)",
+        lambda cache: cache / f"family-assets-{family_assets.family_version()}", family_assets.family_layout,
+        family_assets.ensure_family_assets,
     ),
     "judge": AssetGroup(
         "", _fields(judge_assets.JudgeAssets), "the tiny judge and score models (minutes)",
