@@ -3,10 +3,10 @@
 # test was collected (pytest's exit code 5), which would otherwise hide a
 # broken collection as "nothing to do".
 #
-# Two pytest workers (pytest-xdist) by default: much of a test's time is a process starting (imports, Ray,
-# an engine) on one core, so two at a time keep both cores busy. A file's tests stay on one worker, and so do
-# the files sharing a costly session fixture (tests/conftest.py). VLMRL_TEST_WORKERS=0 runs them in this process,
-# one after another. The slowest tests are listed at the end, to see where the suite's time goes.
+# One process by default. VLMRL_TEST_WORKERS=N runs N pytest-xdist workers: a file's tests stay on one worker,
+# and so do the files sharing a costly session fixture (tests/conftest.py). On a 2-core machine two workers were
+# not faster (the runs are CPU-bound; docs/performance.md), and tests that start Ray in-process may join another
+# worker's cluster. The slowest tests are listed at the end, to see where the suite's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The tiny model and the quickstart's tuned one, which most tests use: built (once per clone) before pytest
@@ -16,7 +16,11 @@ if ! assets_log=$(.venv/bin/python -m vlmrl.testing.assets --quickstart 2>&1); t
     echo "test.sh: building the tiny test assets failed" >&2
     exit 1
 fi
-.venv/bin/python -m pytest -q -n "${VLMRL_TEST_WORKERS:-2}" --dist loadgroup --durations=30 "$@"
+workers=()
+if [ "${VLMRL_TEST_WORKERS:-0}" != 0 ]; then
+    workers=(-n "$VLMRL_TEST_WORKERS" --dist loadgroup)
+fi
+.venv/bin/python -m pytest -q "${workers[@]}" --durations=30 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2

@@ -55,6 +55,7 @@ def make_batch(b: int) -> Batch:
         rollout_log_probs=-rows[:, None].float() - torch.arange(R) / 10,
         old_log_probs=-rows[:, None].float() - torch.arange(R) / 100,
         ref_log_probs=-rows[:, None].float() - torch.arange(R) / 1000,
+        teacher_log_probs=-rows[:, None].float() - torch.arange(R) / 10000,
         token_level_scores=rows[:, None].float() * torch.arange(R),
         reward_metrics={"overall": [float(i) for i in range(b)], "accuracy": [i / 10 for i in range(b)]},
         advantages=rows[:, None].float() + torch.arange(R) / 7,
