@@ -12,10 +12,9 @@ tokens, no end-of-turn token: a reply ends where the model writes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from vlmrl.testing.tiny_vlm import INIT_STD, QWEN_PRETOKENIZE_REGEX, TOKENIZER_VOCAB_SIZE, _training_corpus
+from vlmrl.testing.tiny_vlm import INIT_STD, build_bpe_tokenizer
 
 GLM_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -67,42 +66,9 @@ MAX_PIXELS = 28 * 28 * 64
 
 
 def build_glm_tokenizer():
-    """A byte-level BPE tokenizer with GLM-4.1V's special tokens and chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    bpe.train_from_iterator(_training_corpus(), trainer=trainer)
-    vocab = bpe.get_vocab()
-    for token in GLM_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    merges = [tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
-    # Qwen2Tokenizer is transformers' byte-level BPE with this pre-tokenisation; GLM-4's tokenizer is the same
-    # kind of tokenizer, so the class only decides how the saved files are read back.
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|user|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in GLM_SPECIAL_TOKENS if t not in ("<|user|>", "<|endoftext|>")],
-        model_max_length=4096,
-        errors="replace",
-    )
-    tokenizer.chat_template = GLM4V_CHAT_TEMPLATE
-    return tokenizer
+    """A byte-level BPE tokenizer with GLM-4.1V's special tokens and chat template. GLM-4's tokenizer is the same
+    kind (byte-level BPE), so Qwen2Tokenizer's class only decides how the saved files are read back."""
+    return build_bpe_tokenizer(GLM_SPECIAL_TOKENS, "<|user|>", GLM4V_CHAT_TEMPLATE)
 
 
 def build_tiny_glm4v(out_dir: Path, seed: int) -> None:

@@ -117,8 +117,9 @@ def _training_corpus() -> list[str]:
     return lines * 4 + [f"The shape is {w}. <answer>{w}</answer>" for w in task_words] * 20
 
 
-def build_qwen_tokenizer():
-    """A byte-level BPE tokenizer with Qwen's pipeline, specials and chat template."""
+def build_bpe_tokenizer(special_tokens: tuple[str, ...], eos_token: str, chat_template: str):
+    """A byte-level BPE tokenizer with Qwen's pipeline, trained on the toy corpus, with ``special_tokens`` after
+    the learned vocabulary (fixed ids) and ``chat_template``; a family's tiny builder chooses the three."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
 
@@ -140,7 +141,7 @@ def build_qwen_tokenizer():
 
     vocab = bpe.get_vocab()
     # Specials go after the learned vocabulary, as in Qwen, with fixed ids.
-    for token in QWEN_SPECIAL_TOKENS:
+    for token in special_tokens:
         vocab[token] = len(vocab)
     merges = [tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
 
@@ -149,14 +150,19 @@ def build_qwen_tokenizer():
         merges=merges,
         unk_token=None,
         bos_token=None,
-        eos_token="<|im_end|>",
+        eos_token=eos_token,
         pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in QWEN_SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        extra_special_tokens=[t for t in special_tokens if t not in (eos_token, "<|endoftext|>")],
         model_max_length=4096,
         errors="replace",
     )
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def build_qwen_tokenizer():
+    """A byte-level BPE tokenizer with Qwen's pipeline, specials and chat template."""
+    return build_bpe_tokenizer(QWEN_SPECIAL_TOKENS, "<|im_end|>", QWEN_VL_CHAT_TEMPLATE)
 
 
 def build_tiny_qwen2_5_vl(out_dir: Path, seed: int) -> None:
