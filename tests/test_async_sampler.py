@@ -28,14 +28,18 @@ class Engines:
     def __init__(self):
         self.version = 0
         self.calls: list[list[int]] = []
+        self.samplings: list[Sampling] = []
+        self.call_versions: list[int] = []
         self.version_of: dict[int, int] = {}
 
     def generate(self, prompts, group_ids, sampling, keep=False):
         self.calls.append(list(group_ids))
+        self.samplings.append(sampling)
+        self.call_versions.append(self.version)
         self.version_of.update({g: self.version for g in group_ids})
         rows = []
         for p, g in zip(prompts, group_ids):
-            for i in range(N):
+            for i in range(sampling.n):
                 rows.append(
                     Trajectory(
                         token_ids=[1, 2, 7], prompt_length=2, loss_mask=[0, 0, 1],
@@ -47,12 +51,18 @@ class Engines:
 
 
 class Scorer:
+    """Each row's reward is its group id (``parity``: the id's parity, 0 or 1), and ``collect`` counts its calls."""
+
+    def __init__(self, parity=False):
+        self.parity, self.collected = parity, 0
+
     def launch(self, batch):
         return ScoringJob(ref=None)
 
     def collect(self, job, batch, prefix="reward"):
-        scores = batch.group_ids.float().tolist()
-        return Rewards(place_scores(scores, batch.response_mask), {"overall": scores}, {"reward/timeouts": 0})
+        self.collected += 1
+        scores = [g % 2 if self.parity else g for g in batch.group_ids.float().tolist()]
+        return Rewards(place_scores(scores, batch.response_mask), {"overall": scores}, {f"{prefix}/timeouts": 0})
 
 
 def _prompt(row: int) -> PromptSample:
@@ -62,9 +72,15 @@ def _prompt(row: int) -> PromptSample:
     )  # fmt: skip
 
 
-def _sampler(eta, policy="drop", groups=2):
+def _sampler(eta, policy="drop", groups=2, estimator="grpo", filtering=False, max_tries=20, scorer=None):
     config = SimpleNamespace(
         data=SimpleNamespace(rollout_batch_size=groups, mini_rollout_batch_size=None),
+        # Online filtering keeps a group whose mean reward is strictly inside (0.5, 1.5): with the parity
+        # scorer, the odd groups (reward 1) train and the even ones (reward 0) are filtered out.
+        algorithm=SimpleNamespace(
+            adv_estimator=estimator, online_filtering=filtering, filter_key="overall", filter_low=0.5, filter_high=1.5
+        ),
+        trainer=SimpleNamespace(max_try_make_batch=max_tries),
         worker=SimpleNamespace(
             rollout=SimpleNamespace(
                 async_rl=SimpleNamespace(max_head_offpolicyness=eta, max_concurrent_rollouts=None, stale_policy=policy)
@@ -75,8 +91,9 @@ def _sampler(eta, policy="drop", groups=2):
     next_id = iter(range(1000))
     rows = iter(range(1000))
     sampler = AsyncRolloutSampler(
-        config, engines, Scorer(), Sampling(n=N, temperature=1.0, max_tokens=1), lambda k: [next(next_id) for _ in range(k)], _prompt
-    )
+        config, engines, scorer or Scorer(), Sampling(n=N, temperature=1.0, max_tokens=1),
+        lambda k: [next(next_id) for _ in range(k)], _prompt,
+    )  # fmt: skip
     more = lambda: [_prompt(next(rows)) for _ in range(groups)]  # noqa: E731
     return sampler, engines, more
 
@@ -152,3 +169,48 @@ def test_a_checkpoint_keeps_the_groups_drawn_but_not_trained():
     # Saved after the step's sync: version 1, two groups consumed, none running or waiting to train.
     assert again.manager.counters.consumed == 2 and again.manager.version == 1
     assert again.manager.counters.running == 0 and again.manager.queued == 0
+
+
+# --------------------------------------------------------------------------- DAPO and ReMax under the bound
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_online_filtering_trains_only_groups_inside_the_bounds_and_still_fills_the_step(eta):
+    sampler, engines, more = _sampler(eta=eta, filtering=True, scorer=Scorer(parity=True))
+    for step in range(3):
+        rollout = _step(sampler, engines, more)
+        groups = rollout.batch.group_ids.unique().tolist()
+        # Every trained group has its mean inside the bounds (odd ids: reward 1), and the step has its 2 groups.
+        assert len(groups) == 2 and all(g % 2 == 1 for g in groups), (step, groups)
+        assert rollout.collect().per_sample["overall"] == [1.0] * (2 * N)
+        assert rollout.metrics["filter/kept_group_ratio"] == pytest.approx(0.5)
+        # No trained token is older than the bound, filtering's extra admissions included.
+        versions = rollout.batch.policy_versions[rollout.batch.policy_versions >= 0]
+        assert int((rollout.version - versions).max()) <= eta
+    # Each filtered group gave its slot back: admission went on (else the third step would have starved).
+    assert sampler.manager.counters.rejected >= 6 and sampler.manager.counters.consumed == 6
+
+
+def test_online_filtering_under_the_bound_gives_up_after_max_try_make_batch_steps_of_groups():
+    from vlmrl.driver.sampler import OnlineFilteringError
+
+    sampler, engines, more = _sampler(eta=1, filtering=True, max_tries=2, scorer=Scorer(parity=True))
+    sampler.algo.filter_low = 5.0  # no group's mean is inside (5, 1.5)
+    with pytest.raises(OnlineFilteringError, match="after 2 generation rounds only 0 of the 2"):
+        _step(sampler, engines, more)
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_remax_samples_each_groups_greedy_baseline_with_the_weights_that_sampled_the_group(eta):
+    sampler, engines, more = _sampler(eta=eta, estimator="remax")
+    for _ in range(3):
+        rollout = _step(sampler, engines, more, syncs=1)
+        rewards = rollout.collect()
+        # Each row's baseline is its group's greedy reward (the stand-in scores a row by its group id).
+        assert rewards.baselines.tolist() == rollout.batch.group_ids.float().tolist()
+        assert rewards.metrics["reward_baseline/overall"] == pytest.approx(rollout.batch.group_ids.float().mean())
+    # Every greedy call (n=1, temperature 0) follows its groups' call at once, at the same engine version.
+    calls = engines.calls
+    assert calls[1::2] == calls[0::2] and len(calls) >= 6
+    assert all(s.n == 1 and s.temperature == 0.0 for s in engines.samplings[1::2])
+    assert engines.call_versions[1::2] == engines.call_versions[0::2]

@@ -454,9 +454,11 @@ _DATA = (
            "after trainer.critic_warmup steps"),
     Metric("global_seqlen/balanced_max", "Most tokens a worker gets after balancing; close to balanced_min when "
            "the balance works.", "after trainer.critic_warmup steps"),
-    Metric("filter/tries", "Generation rounds online filtering needed to fill the step's batch (1: none extra).",
+    Metric("filter/tries", "Generation rounds online filtering needed to fill the step's batch (1: none extra; "
+           "under async, the groups looked at in steps' worth).",
            "algorithm.online_filtering=true"),
-    Metric("filter/kept_group_ratio", "Share of the prompt groups generated that online filtering kept; low means "
+    Metric("filter/kept_group_ratio", "Share of the prompt groups generated (under async: looked at by the step) "
+           "that online filtering kept; low means "
            "most prompts are too easy or too hard.", "algorithm.online_filtering=true"),
 )
 

@@ -786,7 +786,8 @@ class TrainerConfig:
     device: Device = Device.auto
     """vlmrl addition: train on cuda or cpu; auto takes cuda when a GPU is visible."""
     max_try_make_batch: int = 20
-    """Online filtering: generation rounds allowed to fill one step's batch; -1 for no limit."""
+    """Online filtering: generation rounds allowed to fill one step's batch (under async, that many steps' worth of
+    groups looked at); -1 for no limit."""
     critic_warmup: int = 0
     """GAE: the step (counted from 1) from which the actor trains too; the steps before it train only the critic.
     As in EasyR1 and verl (critic_warmup <= global_step), 0 and 1 both train the actor from the first step, and 3

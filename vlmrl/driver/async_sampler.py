@@ -25,12 +25,21 @@ Disaggregated, each admitted group is one call to the rollout servers, all in fl
 trainer trains; a watcher thread collects each as it finishes and scores it, so rewards overlap the update
 too. A weight push lands in the middle of responses (``partial_rollout``), so a group may straddle versions.
 
+DAPO's online filtering: at consumption a group that would train waits for its rewards, and one whose mean
+``algorithm.filter_key`` is outside the bounds gives its slot back (``StalenessManager.filter_out``), so the
+loop admits another in its place and the step still trains ``rollout_batch_size`` groups under the bound.
+``trainer.max_try_make_batch`` bounds the groups a step may look at (that many steps' worth).
+
+ReMax: each group's greedy response is sampled with the group, by the same engines at the same version
+(colocated, in the same call; disaggregated, queued on the servers right behind the group), and scored with it.
+
 A checkpoint holds the manager's counters and the groups drawn but not yet trained (their rows and group
 ids), never the generated work: a resumed run generates them again, so each prompt trains once (AReaL #1388).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -40,9 +49,12 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from vlmrl import algos
 from vlmrl.config import Config
 from vlmrl.driver.metrics import reduce_reward_metrics
-from vlmrl.driver.sampler import Rollout, Sampler
+from vlmrl.driver.sampler import (
+    Rollout, Sampler, baseline_scores, filter_scores, filtering_error, greedy_sampling,
+)  # fmt: skip
 from vlmrl.driver.scoring import Rewards, Scorer, ScoringJob
 from vlmrl.driver.staleness import StaleAction, StalenessManager
 from vlmrl.records import Batch, PromptSample
@@ -63,12 +75,26 @@ class _Call:
 
 
 @dataclass
+class _Baseline:
+    """ReMax: the greedy responses to some groups' prompts, sampled when (and where) the groups were, and their
+    rewards. Disaggregated, ``pending`` on the rollout servers until collected."""
+
+    batch: Batch | None = None
+    job: ScoringJob | None = None
+    pending: PendingCall | None = None
+    score: dict[int, float] | None = None
+    """The greedy response's reward by group id, once collected."""
+    rewards: Rewards | None = None
+
+
+@dataclass
 class _Group:
     group_id: int
     prompt: PromptSample
     call: _Call | None = None
     admitted_at: int = 0
     """The policy version when it was admitted (and generated)."""
+    baseline: _Baseline | None = None
 
 
 class AsyncRolloutSampler(Sampler):
@@ -104,6 +130,15 @@ class AsyncRolloutSampler(Sampler):
         """Admitted and not yet consumed, in admission order."""
         self.counts = {"generate_s": 0.0, "batch_wait_s": 0.0}
         self.reward_wait_s = 0.0
+        self.algo, self.max_tries = config.algorithm, config.trainer.max_try_make_batch
+        self.filtering = bool(config.algorithm.online_filtering)
+        """DAPO's dynamic sampling: a group whose mean filter_key score is outside the bounds is not trained, and
+        another is admitted in its place (``_sample``)."""
+        self.greedy = None
+        """ReMax: the baseline's sampling; each group's greedy response is sampled with the group."""
+        if algos.ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_greedy_baseline:
+            self.greedy = greedy_sampling(sampling)
+        self._timeouts = 0
         self._lock = threading.RLock()
         """Guards the calls and the manager: the watcher (disaggregated) collects finished calls beside the step."""
         self._watch_error: BaseException | None = None
@@ -130,6 +165,8 @@ class AsyncRolloutSampler(Sampler):
         taken: list[_Group] = []
         lags: list[int] = []
         stale = {action: 0 for action in StaleAction}
+        filtered = 0
+        self._timeouts = 0
         self._poll()
         while len(taken) < self.groups_per_step:
             self._admit(more_prompts)
@@ -137,7 +174,18 @@ class AsyncRolloutSampler(Sampler):
                 raise RuntimeError(f"async sampler: nothing admitted and nothing to train ({self.manager.stats()})")
             group = self.admitted.popleft()
             rows = self._rows(group)
-            decision = self.manager.check(rows.policy_versions.flatten().tolist(), version)
+            versions = rows.policy_versions.flatten().tolist()
+            # Online filtering, on the groups that would train: one outside the bounds gives its slot back, and
+            # the next round of the loop admits another, so the step still gets its groups under the bound.
+            if self.filtering and self.manager.would_train(versions, version) and not self._passes_filter(group):
+                self.manager.filter_out()
+                filtered += 1
+                seen = len(taken) + filtered
+                if 0 < self.max_tries and seen >= self.max_tries * self.groups_per_step:
+                    tries = math.ceil(seen / self.groups_per_step)
+                    raise filtering_error(self.algo, tries, len(taken), self.groups_per_step)
+                continue
+            decision = self.manager.check(versions, version)
             if decision.stale:
                 stale[decision.action] += 1
             if decision.action is StaleAction.train:
@@ -171,6 +219,10 @@ class AsyncRolloutSampler(Sampler):
             "timing_s/async/generate": self.counts["generate_s"],
             "timing_s/async/batch_wait": self.counts["batch_wait_s"],
         }  # fmt: skip
+        if self.filtering:
+            seen = len(taken) + filtered
+            metrics["filter/tries"] = float(math.ceil(seen / self.groups_per_step))
+            metrics["filter/kept_group_ratio"] = len(taken) / seen
         on_policy = bool(generated.numel()) and bool((generated == version).all())
         # The rewards are collected when the step asks for them, after its log-prob passes, as the synchronous
         # sampler's are: with eta = 0 the schedule is the synchronous one, overlap included.
@@ -231,6 +283,8 @@ class AsyncRolloutSampler(Sampler):
             for g in starting:
                 g.call = _Call([g], pending=self.pool.submit([g.prompt], [g.group_id], self.sampling))
                 self.generating.append(g.call)
+                if self.greedy is not None:  # ReMax: the greedy response queued right behind the group's
+                    g.baseline = _Baseline(pending=self.pool.submit([g.prompt], [g.group_id], self.greedy))
         self._poll()
 
     def _generate_here(self, part: list[_Group]) -> None:
@@ -248,6 +302,11 @@ class AsyncRolloutSampler(Sampler):
         call = _Call(part, batch)
         for g in part:
             g.call = call
+        if self.greedy is not None:  # ReMax: the baseline now, with the weights that sampled the groups
+            greedy = self.workers.generate([g.prompt for g in part], [g.group_id for g in part], self.greedy)
+            baseline = _Baseline(greedy, self.scorer.launch(greedy))
+            for g in part:
+                g.baseline = baseline
         self._finished(call)
         self._score(force=True)
 
@@ -313,29 +372,63 @@ class AsyncRolloutSampler(Sampler):
         call = group.call  # it may have been merged with others for scoring meanwhile
         return call.batch.select(_rows_of(call, group))
 
+    def _group_rewards(self, group: _Group) -> tuple[Rewards, torch.Tensor]:
+        """The rewards of the group's call (launching its scoring if it is not yet, waiting for it) and the
+        group's rows in them. A call's rewards are collected once, for all of its groups."""
+        if group.call.job is None:  # in, but not scored yet: score it now
+            self._score(force=True)
+        call = group.call  # it may have been merged with others for scoring meanwhile
+        if call.rewards is None:
+            call.rewards = self.scorer.collect(call.job, call.batch)
+            self._timeouts += call.rewards.metrics.get("reward/timeouts", 0)
+        return call.rewards, _rows_of(call, group)
+
+    def _passes_filter(self, group: _Group) -> bool:
+        """Online filtering: whether the group's mean ``filter_key`` score is inside the bounds (waits for its
+        rewards)."""
+        rewards, rows = self._group_rewards(group)
+        scores = filter_scores(self.algo, rewards.per_sample)
+        values = torch.tensor([scores[i] for i in rows.tolist()], dtype=torch.float64)
+        same_group = torch.zeros(len(values), dtype=torch.long)
+        return bool(algos.online_filter_keep(values, same_group, self.algo.filter_low, self.algo.filter_high).all())
+
+    def _baseline(self, group: _Group) -> tuple[float, dict[str, float]]:
+        """ReMax: the reward of the group's greedy response, and its sub-scores (waits for them)."""
+        b = group.baseline
+        if b.score is None:
+            if b.batch is None:  # disaggregated: the greedy response is still on the servers
+                with self._lock:
+                    b.batch, b.pending = self.pool.collect(b.pending), None
+                b.job = self.scorer.launch(b.batch)
+            b.score, b.rewards = baseline_scores(self.scorer, b.job, b.batch)
+            self._timeouts += b.rewards.metrics.get("reward_baseline/timeouts", 0)
+        row = b.batch.group_ids.tolist().index(group.group_id)
+        return b.score[group.group_id], {k: v[row] for k, v in b.rewards.per_sample.items()}
+
     def _rewards(self, taken: list[_Group]) -> Rewards:
         """The step's rewards, in its rows' order, waiting for the calls still being scored; their means (as a
-        synchronous step reports), the timeouts of the calls collected now, and the seconds waited."""
-        start, timeouts = time.perf_counter(), 0
-        scores, per_sample = [], {}
+        synchronous step reports), the timeouts of the calls collected in this step, and the seconds waited.
+        ReMax: each row's greedy baseline."""
+        start = time.perf_counter()
+        scores, per_sample, baselines, baseline_scores_ = [], {}, [], {}
         for group in taken:
-            if group.call.job is None:  # in, but not scored yet: score it now
-                self._score(force=True)
-            call = group.call
-            if call.rewards is None:  # collected once for all of its groups, this step's or carried over
-                call.rewards = self.scorer.collect(call.job, call.batch)
-                timeouts += call.rewards.metrics.get("reward/timeouts", 0)
-            rows = _rows_of(call, group)
-            scores.append(call.rewards.token_level_scores.index_select(0, rows))
-            for name, values in call.rewards.per_sample.items():
+            rewards, rows = self._group_rewards(group)
+            scores.append(rewards.token_level_scores.index_select(0, rows))
+            for name, values in rewards.per_sample.items():
                 per_sample.setdefault(name, []).extend(values[i] for i in rows.tolist())
+            if self.greedy is not None:
+                score, sub_scores = self._baseline(group)
+                baselines.append(torch.full((len(rows),), score))
+                for name, value in sub_scores.items():
+                    baseline_scores_.setdefault(name, []).append(value)
         self.reward_wait_s = time.perf_counter() - start
         metrics = {
             **reduce_reward_metrics(per_sample, prefix="reward"),
-            "reward/timeouts": timeouts,
+            **reduce_reward_metrics(baseline_scores_, prefix="reward_baseline"),
+            "reward/timeouts": self._timeouts,
             "timing_s/async/reward_wait": self.reward_wait_s,
         }
-        return Rewards(torch.cat(scores), per_sample, metrics)
+        return Rewards(torch.cat(scores), per_sample, metrics, torch.cat(baselines) if baselines else None)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -103,7 +103,7 @@ class RolloutSampler(Sampler):
         """data.mini_rollout_batch_size (EasyR1's / verl's generation batch): prompts per generation call."""
         self.max_tries = config.trainer.max_try_make_batch
         self.needs_baseline = algos.ADVANTAGE_ESTIMATORS[self.algo.adv_estimator].needs_greedy_baseline
-        self.greedy = dataclasses.replace(sampling, n=1, temperature=0.0, want_log_probs=False, ignore_eos=False)
+        self.greedy = greedy_sampling(sampling)
 
     def sample(self, prompts: list[PromptSample], more_prompts: Callable[[], list[PromptSample]]) -> Rollout:
         """The step's batch from ``prompts`` (and, with online filtering, from ``more_prompts()`` as needed)."""
@@ -188,12 +188,7 @@ class RolloutSampler(Sampler):
             timeouts += rewards.metrics["reward/timeouts"]
             for name, values in batch.reward_metrics.items():
                 scores[name].extend(values)
-            if algo.filter_key not in batch.reward_metrics:
-                raise KeyError(
-                    f"algorithm.filter_key={algo.filter_key!r} is not a score the reward function returns; "
-                    f"it returns: {', '.join(sorted(batch.reward_metrics))}"
-                )
-            values = torch.tensor(batch.reward_metrics[algo.filter_key], dtype=torch.float64)
+            values = torch.tensor(filter_scores(algo, batch.reward_metrics), dtype=torch.float64)
             keep = algos.online_filter_keep(values, batch.group_ids, algo.filter_low, algo.filter_high)
             seen_groups += len(prompts)
             if keep.any():
@@ -202,13 +197,7 @@ class RolloutSampler(Sampler):
             if kept_groups >= self.batch_prompts:
                 break
             if 0 < self.max_tries <= tries:
-                raise OnlineFilteringError(
-                    f"online filtering: after {tries} generation rounds only {kept_groups} of the "
-                    f"{self.batch_prompts} prompt groups a step needs had a mean {algo.filter_key} inside "
-                    f"({algo.filter_low}, {algo.filter_high}); the prompts are too easy or too hard for the policy. "
-                    "Raise trainer.max_try_make_batch (-1 for no limit), widen algorithm.filter_low/filter_high, "
-                    "or set algorithm.online_filtering=false"
-                )
+                raise filtering_error(algo, tries, kept_groups, self.batch_prompts)
             prompts = more_prompts()
         batch = Batch.concat(kept)
         # Kept groups are whole (n samples each, contiguous), so the first batch_prompts x n rows are whole groups.
@@ -229,6 +218,36 @@ class RolloutSampler(Sampler):
 
     def _collect_baseline(self, batch: Batch, greedy: Batch, job) -> tuple[torch.Tensor, dict[str, float]]:
         """ReMax: each sample's greedy-baseline reward (B,), and the baseline's reward metrics."""
-        rewards = self.scorer.collect(job, greedy, prefix="reward_baseline")
-        greedy_score = dict(zip(greedy.group_ids.tolist(), rewards.per_sample["overall"]))
+        greedy_score, rewards = baseline_scores(self.scorer, job, greedy)
         return torch.tensor([greedy_score[g] for g in batch.group_ids.tolist()]), rewards.metrics
+
+
+def greedy_sampling(sampling: Sampling) -> Sampling:
+    """ReMax's baseline: one greedy response per prompt, with the step's limits."""
+    return dataclasses.replace(sampling, n=1, temperature=0.0, want_log_probs=False, ignore_eos=False)
+
+
+def baseline_scores(scorer: Scorer, job, greedy: Batch) -> tuple[dict[int, float], Rewards]:
+    """ReMax: the greedy response's reward by group id, and the baseline's rewards (``reward_baseline/*``)."""
+    rewards = scorer.collect(job, greedy, prefix="reward_baseline")
+    return dict(zip(greedy.group_ids.tolist(), rewards.per_sample["overall"])), rewards
+
+
+def filter_scores(algo, per_sample: dict[str, list[float]]) -> list[float]:
+    """Online filtering: each sample's ``algorithm.filter_key`` score, or a KeyError naming what there is."""
+    if algo.filter_key not in per_sample:
+        raise KeyError(
+            f"algorithm.filter_key={algo.filter_key!r} is not a score the reward function returns; "
+            f"it returns: {', '.join(sorted(per_sample))}"
+        )
+    return per_sample[algo.filter_key]
+
+
+def filtering_error(algo, tries: int, kept_groups: int, needed: int) -> OnlineFilteringError:
+    return OnlineFilteringError(
+        f"online filtering: after {tries} generation rounds only {kept_groups} of the "
+        f"{needed} prompt groups a step needs had a mean {algo.filter_key} inside "
+        f"({algo.filter_low}, {algo.filter_high}); the prompts are too easy or too hard for the policy. "
+        "Raise trainer.max_try_make_batch (-1 for no limit), widen algorithm.filter_low/filter_high, "
+        "or set algorithm.online_filtering=false"
+    )

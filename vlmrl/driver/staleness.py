@@ -207,6 +207,19 @@ class StalenessManager:
 
     # ----------------------------------------------------------------------- consumption
 
+    def would_train(self, token_versions: Iterable[int], current_version: int) -> bool:
+        """Whether ``check`` would train this group (fresh, or stale under ``StalePolicy.accept``); records nothing."""
+        stale = oldest_token_lag(token_versions, current_version) > self.max_head_offpolicyness
+        return not stale or self.stale_policy is StalePolicy.accept
+
+    def filter_out(self) -> None:
+        """A finished group waiting for the trainer is not trained (online filtering): its slot is free again, so
+        admission can start another in its place."""
+        if self.queued < 1:
+            raise RuntimeError(f"filter_out: no finished group is waiting ({self._describe()})")
+        self.counters.accepted -= 1
+        self.counters.rejected += 1
+
     def check(self, token_versions: Iterable[int], current_version: int) -> Consumption:
         """Decide whether one finished group may train at ``current_version``, and record the decision.
 

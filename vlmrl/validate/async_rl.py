@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from vlmrl.workflows import workflow_name
-from vlmrl.algos import ADVANTAGE_ESTIMATORS
 from vlmrl.config import AsyncPlacement, Config
 from vlmrl.config.options import WeightTransfer
 
@@ -43,16 +42,6 @@ def async_problems(config: Config) -> list[str]:
             "version(s) old need the loss corrected for the policy that sampled them; set "
             "worker.actor.use_decoupled_loss=true or leave it unset (it is then on, with vLLM's log-probs), "
             f"or {P}.max_head_offpolicyness=0"
-        )
-    if config.algorithm.online_filtering:
-        problems.append(
-            f"algorithm.online_filtering=true with {P}.enable=true: dynamic sampling refills a step's batch from "
-            "fresh prompts, which admission under the bound does not do yet; set algorithm.online_filtering=false"
-        )
-    if ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_greedy_baseline:
-        problems.append(
-            f"algorithm.adv_estimator={config.algorithm.adv_estimator.value} with {P}.enable=true: its greedy "
-            "baseline is sampled with the step's weights beside the step's prompts; use grpo or rloo"
         )
     if config.worker.rollout.agent:
         problems.append(

@@ -1,0 +1,95 @@
+"""Asynchronous training composed with DAPO's online filtering and ReMax (``vlmrl.driver.async_sampler``).
+
+* Validation: neither composition is refused any more (a test fails if a refusal comes back).
+* End to end, colocated, eta = 1, one run of both at once on the tiny quickstart: every trained group's mean
+  reward is inside the filter's bounds, each step still trains its B groups and no token older than the bound,
+  and each step has ReMax's greedy baseline. The reward function makes the filter's choice known in advance:
+  prompts whose answer is "red" score 1.0 on every sample (a group mean of 1, outside (0.01, 0.99)), every
+  other prompt scores between 0.2 and 0.8 (inside); a sub-score ``red`` marks the first kind, so its mean over
+  the trained samples, as the step logs it, is 0 exactly when no filtered group trained.
+
+The sampler's logic itself (slots given back, max_try_make_batch, the greedy call at the group's version) is
+tests/test_async_sampler.py's, on stand-ins.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from helpers.configs import CPU, QUICKSTART
+from helpers.runs import E2E_PROMPTS, E2E_TRAINING, read_metrics, run_main, tail
+
+from vlmrl.validate import load_config
+
+ASYNC = "worker.rollout.async_rl.enable=true"
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch, quickstart_assets):
+    from helpers.runs import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.online_filtering=true"],
+        ["algorithm.adv_estimator=remax"],
+        ["algorithm.online_filtering=true", "algorithm.adv_estimator=remax"],
+        ["algorithm.online_filtering=true", "worker.rollout.async_rl.max_head_offpolicyness=0"],
+        ["algorithm.adv_estimator=remax", "worker.rollout.async_rl.placement=disaggregated",
+         "worker.rollout.async_rl.rollout_workers=1"],
+    ],
+    ids=["dapo", "remax", "both", "dapo-eta0", "remax-disaggregated"],
+)  # fmt: skip
+def test_dapo_and_remax_validate_under_async(overrides):
+    load_config([QUICKSTART, ASYNC, *overrides], CPU)  # raises ConfigError listing every problem
+
+
+FILTER_REWARD = textwrap.dedent(
+    """
+    def compute_score(reward_input, **quickstart_kwargs):
+        truth = reward_input["ground_truth"].lower()
+        if truth == "red":  # every sample 1.0: the group's mean is outside (0.01, 0.99), online filtering drops it
+            return {"overall": 1.0, "red": 1.0}
+        response = reward_input["response"].lower()
+        overlap = len(set(response) & set(truth)) / len(set(truth))
+        return {"overall": 0.2 + 0.6 * overlap, "red": 0.0}  # inside the bounds whatever the samples say
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def dapo_remax(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("async_dapo_remax")
+    (tmp / "reward.py").write_text(FILTER_REWARD)
+    proc = run_main(
+        tmp / "out", *E2E_TRAINING, f"trainer.max_steps={STEPS}", ASYNC,
+        "algorithm.online_filtering=true", "algorithm.adv_estimator=remax",
+        f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
+        "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
+        experiment="dapo_remax", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    return [m for m in read_metrics(tmp / "out", "dapo_remax") if "actor/pg_loss" in m]
+
+
+def test_async_online_filtering_trains_only_groups_inside_the_bounds_and_fills_each_step(dapo_remax):
+    assert [m["step"] for m in dapo_remax] == list(range(1, STEPS + 1))
+    for m in dapo_remax:
+        assert m["reward/red"] == 0.0, m["step"]  # no trained sample came from a filtered ("red") group
+        assert 0.2 <= m["reward/overall"] <= 0.8
+        assert m["async/consumed"] == m["step"] * E2E_PROMPTS  # each step trained its B groups
+        assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0
+    # The data has red answers (a quarter of them): some groups were filtered out, and their slots reused.
+    assert min(m["filter/kept_group_ratio"] for m in dapo_remax) < 1.0
+    assert dapo_remax[-1]["async/rejected"] >= 1
+
+
+def test_async_remax_has_its_greedy_baseline_each_step(dapo_remax):
+    for m in dapo_remax:
+        # The greedy responses of the trained groups, scored by the same function: never a "red" one either.
+        assert 0.2 <= m["reward_baseline/overall"] <= 0.8 and m["reward_baseline/red"] == 0.0
