@@ -108,7 +108,7 @@ def shared(tiny_assets, tmp_path_factory):
     plan = resolve(config, cluster)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
     scorers = start_scorers(config.worker.reward, validation=False)
     workers = WorkerGroup(config, plan)
     processor = AutoProcessor.from_pretrained(config.worker.actor.model.model_path)

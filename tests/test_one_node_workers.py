@@ -37,7 +37,7 @@ def one_node(tiny_assets, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     # Two worker bundles and the reward actor: logical CPUs, the workers take turns on the cores.
-    ray.init(num_cpus=3, include_dashboard=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False)
     tmp = tmp_path_factory.mktemp("one_node")
     base = [
         "config=examples/quickstart.yaml",

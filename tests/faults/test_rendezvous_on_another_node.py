@@ -49,7 +49,7 @@ def test_workers_on_this_node_keep_the_file_rendezvous():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         pool = ResourcePool(nnodes=1, per_node=1, device="cpu", run_name="faults")
         try:
