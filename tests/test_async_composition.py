@@ -1,7 +1,8 @@
 """Asynchronous training composed with DAPO's online filtering and ReMax (``vlmrl.driver.async_sampler``).
 
 * Validation: neither composition is refused any more (a test fails if a refusal comes back).
-* End to end, colocated, eta = 1, one run of both at once on the tiny quickstart: every trained group's mean
+* End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
+  server): every trained group's mean
   reward is inside the filter's bounds, each step still trains its B groups and no token older than the bound,
   and each step has ReMax's greedy baseline. The reward function makes the filter's choice known in advance:
   prompts whose answer is "red" score 1.0 on every sample (a group mean of 1, outside (0.01, 0.99)), every
@@ -62,12 +63,18 @@ FILTER_REWARD = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def dapo_remax(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("async_dapo_remax")
+PLACEMENTS = {
+    "colocated": [],
+    "disaggregated": ["worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PLACEMENTS))
+def dapo_remax(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"async_dapo_remax_{request.param}")
     (tmp / "reward.py").write_text(FILTER_REWARD)
     proc = run_main(
-        tmp / "out", *E2E_TRAINING, f"trainer.max_steps={STEPS}", ASYNC,
+        tmp / "out", *E2E_TRAINING, f"trainer.max_steps={STEPS}", ASYNC, *PLACEMENTS[request.param],
         "algorithm.online_filtering=true", "algorithm.adv_estimator=remax",
         f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
         "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
