@@ -1,6 +1,7 @@
 """Asynchronous training composed with DAPO's online filtering and ReMax (``vlmrl.driver.async_sampler``).
 
-* Validation: neither composition is refused any more (a test fails if a refusal comes back).
+* Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
+  fails if a refusal comes back).
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server): every trained group's mean
   reward is inside the filter's bounds, each step still trains its B groups and no token older than the bound,
@@ -24,7 +25,12 @@ from helpers.runs import E2E_PROMPTS, E2E_TRAINING, read_metrics, run_main, tail
 from vlmrl.validate import load_config
 
 ASYNC = "worker.rollout.async_rl.enable=true"
+AGENT = "config=examples/agent_quickstart.yaml"
 STEPS = 3
+PLACEMENTS = {
+    "colocated": [],
+    "disaggregated": ["worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +56,10 @@ def test_dapo_and_remax_validate_under_async(overrides):
     load_config([QUICKSTART, ASYNC, *overrides], CPU)  # raises ConfigError listing every problem
 
 
+def test_multi_turn_on_rollout_servers_validates():
+    load_config([AGENT, ASYNC, *PLACEMENTS["disaggregated"]], CPU)
+
+
 FILTER_REWARD = textwrap.dedent(
     """
     def compute_score(reward_input, **quickstart_kwargs):
@@ -61,12 +71,6 @@ FILTER_REWARD = textwrap.dedent(
         return {"overall": 0.2 + 0.6 * overlap, "red": 0.0}  # inside the bounds whatever the samples say
     """
 )
-
-
-PLACEMENTS = {
-    "colocated": [],
-    "disaggregated": ["worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
-}
 
 
 @pytest.fixture(scope="module", params=sorted(PLACEMENTS))
@@ -100,3 +104,34 @@ def test_async_remax_has_its_greedy_baseline_each_step(dapo_remax):
     for m in dapo_remax:
         # The greedy responses of the trained groups, scored by the same function: never a "red" one either.
         assert 0.2 <= m["reward_baseline/overall"] <= 0.8 and m["reward_baseline/red"] == 0.0
+
+
+# --------------------------------------------------------------------------- multi-turn on a rollout server
+
+
+@pytest.fixture(scope="module")
+def multi_turn_served(tmp_path_factory):
+    """The agent quickstart (reveal tool, two turns) at eta = 1 on one rollout server, a small batch."""
+    tmp = tmp_path_factory.mktemp("async_multi_turn_server")
+    proc = run_main(
+        tmp / "out", AGENT, ASYNC, *PLACEMENTS["disaggregated"], f"trainer.max_steps={STEPS}",
+        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
+        "worker.actor.micro_batch_size_per_device_for_update=16", "worker.rollout.calculate_log_probs=true",
+        "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
+        experiment="multi_turn_served", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    assert "rollout servers: 1" in proc.stdout, tail(proc)
+    return [m for m in read_metrics(tmp / "out", "multi_turn_served") if "actor/pg_loss" in m]
+
+
+def test_multi_turn_rollouts_run_on_a_rollout_server_within_the_bound(multi_turn_served):
+    assert [m["step"] for m in multi_turn_served] == list(range(1, STEPS + 1))
+    for m in multi_turn_served:
+        # The turn loop ran on the server: tool calls were made and answered by a second turn.
+        assert m["agent/tool_calls/mean"] > 0.5 and m["agent/turns/max"] == 2, m["step"]
+        # Every trained token within the bound: the oldest token of a group (its first turn) decides.
+        assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
+        assert m["async/consumed"] == m["step"] * 4
+    # From step 2 the groups trained were admitted a version earlier.
+    assert any(m["async/lag/max"] == 1 for m in multi_turn_served[1:])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from vlmrl.workflows import workflow_name
 from vlmrl.config import AsyncPlacement, Config
 from vlmrl.config.options import WeightTransfer
 
@@ -66,11 +65,6 @@ def _disaggregated_problems(config: Config) -> list[str]:
             f"{P}.weight_sync_interval={k} {where} and max_head_offpolicyness={eta}: between pushes the servers "
             f"sample with weights up to {k - 1} version(s) behind the trainer, so every such group would be stale; "
             f"raise {P}.max_head_offpolicyness to {k - 1} or more, or lower the interval to {eta + 1}"
-        )
-    if workflow_name(rollout) == "multi_turn":
-        problems.append(
-            f"worker.rollout.workflow=multi_turn (multi_turn.enable=true) {where}: the rollout servers serve single-turn requests (the "
-            f"multi-turn loop drives the colocated engine itself); use {P}.placement=colocated"
         )
     if rollout.tensor_parallel_size > 1:
         problems.append(

@@ -26,8 +26,11 @@ from vlmrl.rollout.kind import RolloutKind, RolloutStats
 
 class RolloutWorker:
     def __init__(
-        self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor, processor=None
-    ):
+        self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor, processor=None,
+        engine_for_kind=None,
+    ):  # fmt: skip
+        """``engine_for_kind``: wraps the engine for the rollout kind (a rollout server's loop); default: the
+        engine itself."""
         rollout_cfg = config.worker.rollout
         tp = plan.tensor_parallel_size
         if tp > 1:
@@ -57,7 +60,8 @@ class RolloutWorker:
         family = family_at(config.worker.actor.model.model_path, config.worker.actor.model.trust_remote_code)
         self.pad_ids = family.media_pad_ids(tokenizer)
         """The image and the video pad token (-1 for one the tokenizer lacks)."""
-        self.kind: RolloutKind = workflows.build(config, plan, self.engine, processor, self.pad_ids)
+        engine = self.engine if engine_for_kind is None else engine_for_kind(self.engine)
+        self.kind: RolloutKind = workflows.build(config, plan, engine, processor, self.pad_ids)
 
     def generate(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling

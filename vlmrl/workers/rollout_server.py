@@ -16,8 +16,13 @@ Ray's call threads and talks to the engine only through the loop, so:
 
 Every trajectory carries, per response token, the version of the weights that
 sampled it (``SampleOutput.versions``), so a response that straddled a load has
-tokens of two versions. Single-turn only: the multi-turn loop and the agent
-endpoint drive the engine themselves and are refused here.
+tokens of two versions. Single-turn calls submit their requests to the loop
+directly; multi-turn calls run the turn loop in the call's thread, each turn's
+requests going through the loop (``LoopedEngine``), with the tools or the
+environment in this actor. Under ``refuse`` a load waits for the turns in
+flight, so it lands at turn boundaries; under ``continue`` a turn it interrupts
+has tokens of both versions. The agent endpoint and user workflows are
+refused here.
 
 The server returns trajectories without pixels (``Trajectory.slim``), as the
 colocated worker does: the driver holds the prompts' media.
@@ -39,7 +44,7 @@ from vlmrl.heap import started
 from vlmrl.models import family_of
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
-from vlmrl.rollout.endpoint.loop import EngineLoop
+from vlmrl.rollout.endpoint.loop import EngineLoop, LoopedEngine
 from vlmrl.rollout.engine import EngineOutput, InterruptMode, NamedTensors, Sampling
 from vlmrl.rollout.engine.sampling import media_offsets, sampling_mask, seeded_requests
 from vlmrl.train.models import apply_overrides, load_processor, tokenizer_of
@@ -47,6 +52,9 @@ from vlmrl.weight_sync.collective import Broadcast, GroupAddress, WeightGroup
 from vlmrl.weight_sync.object_store import WeightBuckets
 from vlmrl.workers.rollout import RolloutWorker
 from vlmrl import workflows
+
+SERVED = ("single_turn", "multi_turn")
+"""The rollout kinds a server plays; an external agent's endpoint and user workflows need the colocated worker."""
 
 ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 """The server's process environment: vLLM's engine core in the actor's own process (so ``load_weights`` hands
@@ -58,9 +66,9 @@ class RolloutServer:
 
     def __init__(self, config: Config, plan: Plan, rank: int = 0):
         kind = workflows.workflow_name(config.worker.rollout)
-        if kind != "single_turn":
-            raise ValueError(f"RolloutServer serves single_turn rollouts only; worker.rollout.workflow={kind} needs "
-                             "the colocated worker")  # fmt: skip
+        if kind not in SERVED:
+            raise ValueError(f"RolloutServer serves {' and '.join(SERVED)} rollouts; worker.rollout.workflow={kind} "
+                             "needs the colocated worker")  # fmt: skip
         if plan.tensor_parallel_size > 1:
             # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
             raise ValueError(
@@ -73,10 +81,18 @@ class RolloutServer:
         hf_config = AutoConfig.from_pretrained(model.model_path, trust_remote_code=model.trust_remote_code)
         apply_overrides(hf_config, dict(model.override_config))
         allowed = sampling_mask(tokenizer, hf_config.get_text_config().vocab_size, family_of(hf_config).banned_tokens)
-        # RolloutWorker's construction, unchanged; with the modes above refused it builds only the engine.
-        worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor)
-        self.engine, self.pad_ids = worker.engine, worker.pad_ids
-        self.loop = EngineLoop(self.engine)
+        # RolloutWorker's construction; the rollout kind plays its turns through the loop (LoopedEngine), the
+        # one thread that steps the engine, so they share steps with the other calls in flight.
+        loops: list[EngineLoop] = []
+
+        def looped(engine):
+            loops.append(EngineLoop(engine))
+            return LoopedEngine(loops[0])
+
+        worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor, engine_for_kind=looped)
+        self.engine, self.pad_ids, self.kind, self.loop = worker.engine, worker.pad_ids, worker.kind, loops[0]
+        self.single_turn = kind == "single_turn"
+        """Single-turn calls submit their seeded requests here directly; multi-turn ones go to the kind."""
         self._calls = itertools.count()
         """Numbers each generate call; its request ids start with it, unique among the calls in flight."""
         self._load_lock = threading.Lock()
@@ -93,6 +109,11 @@ class RolloutServer:
         Thread-safe. The requests are seeded by group id (``seeded_requests``),
         so a group samples the same tokens whichever other calls share the engine.
         """
+        if not self.single_turn:
+            # The turn loop runs here, beside the engine: each turn is a request through the loop, so a weight
+            # load lands between engine steps and the tokens of a turn it interrupted carry both versions.
+            trajectories, stats = self.kind.rollout(prompts, group_ids, sampling)
+            return [t.slim() for t in trajectories], dict(stats.seconds)
         t0 = time.perf_counter()
         call = next(self._calls)  # itertools.count's next is atomic under the GIL
         requests = [
@@ -202,6 +223,7 @@ class RolloutServer:
     def close(self) -> None:
         """Abort everything queued or in flight (their generate calls raise ``Aborted``) and stop the loop."""
         self.loop.close()
+        self.kind.close()
 
 
 def start_rollout_server(

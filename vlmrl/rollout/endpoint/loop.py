@@ -16,6 +16,8 @@ therefore never has a request in flight, so no output straddles two versions
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -220,3 +222,38 @@ def _resolve(future: Future, result: Any = None, error: BaseException | None = N
             future.set_result(result)
     except InvalidStateError:
         pass
+
+
+class LoopedEngine:
+    """``Engine.generate`` through an ``EngineLoop``, for a caller that plays turns on an engine other calls share
+    (the multi-turn loop on a rollout server): each turn's requests are submitted to the loop and waited for,
+    so they share engine steps with every other call in flight, and a weight load lands between two steps.
+
+    Request ids get a prefix unique to the call, so concurrent callers may reuse their own ids.
+    """
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self._calls = itertools.count()
+
+    @property
+    def seed(self) -> int:
+        return self.loop.engine.seed
+
+    @property
+    def version(self) -> int:
+        return self.loop.engine.version
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        prefix = f"turns{next(self._calls)}/"  # itertools.count's next is atomic under the GIL
+        renamed = [dataclasses.replace(r, request_id=prefix + r.request_id) for r in requests]
+        futures = []
+        try:
+            for request in renamed:
+                futures.append(self.loop.submit(request))
+            outputs = [f.result() for f in futures]
+        except BaseException:
+            # An aborted call or a closing loop: the call's other requests must not run on for nobody.
+            self.loop.abort([r.request_id for r in renamed])
+            raise
+        return [dataclasses.replace(o, request_id=o.request_id[len(prefix) :]) for o in outputs]

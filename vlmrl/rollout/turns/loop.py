@@ -143,7 +143,8 @@ class AgentLoop:
             answered = []
             for c, output in zip(active, outputs, strict=True):
                 sample = output.samples[0]
-                c.add_turn(sample.token_ids, sample.log_probs, output.version, sample.text)
+                # Per token where a weight load landed inside the turn (a rollout server's engine), else one version.
+                c.add_turn(sample.token_ids, sample.log_probs, sample.versions or output.version, sample.text)
                 if sample.finish_reason == "stop":
                     answered.append(c)
                 elif c.used() < self.limits.max_response_length and self.end_of_turn is not None:
