@@ -284,6 +284,36 @@ def test_unknown_and_ended_rollouts_are_refused_by_name(endpoint):
         endpoint.open_rollout("short")
 
 
+def test_rewards_reported_mid_rollout_reach_their_calls(endpoint):
+    from vlmrl.api import AgentLLM
+
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    key = endpoint.open_rollout("rewarded")
+    status, reply = _post(endpoint, "/rewards", {"reward": 1.0}, key=key)
+    assert status == 400  # nothing to reward before the first call
+    _assert_error_shape(reply, "invalid_call", "rewarded")
+    for _ in range(3):
+        assert _post(endpoint, "/chat/completions", body, key=key)[0] == 200
+    llm = AgentLLM(endpoint.base_url, key)
+    llm.emit_reward(0.25, call=0)
+    llm.emit_reward(0.5, call=0)  # rewards for one call add up
+    llm.emit_reward(-1.0)  # the latest call by default
+    for bad, code in [({"reward": "high"}, "invalid_reward"), ({"reward": float("nan")}, "invalid_reward"),
+                      ({"reward": True}, "invalid_reward"), ({"reward": 1.0, "call": 7}, "invalid_call")]:  # fmt: skip
+        status, reply = _post(endpoint, "/rewards", bad, key=key)
+        assert status == 400, bad
+        _assert_error_shape(reply, code)
+    # Another rollout's key cannot reward this rollout's calls.
+    other = endpoint.open_rollout("intruder").partition(":")[0]
+    assert _post(endpoint, "/rewards", {"reward": 9.0}, key=f"{other}:rewarded")[0] == 403
+    with pytest.raises(RuntimeError, match="invalid_reward"):
+        llm.emit_reward(float("inf"))
+    calls = endpoint.close_rollout("rewarded")
+    assert [c.reward for c in calls] == [0.75, 0.0, -1.0]
+    assert endpoint.close_rollout("intruder") == []
+    assert _post(endpoint, "/rewards", {"reward": 1.0}, key=key)[0] == 410  # ended
+
+
 def test_closing_a_rollout_aborts_its_call_in_flight(endpoint):
     endpoint.open_rollout("cut")
     status: list[int] = []

@@ -9,7 +9,9 @@ uninterrupted run of 2 steps, with validation, serves most checks:
   response, with the recorded log-probs on the trained tokens;
 * the actor's log-probs of those rows equal the engine's (fp32), at every step;
 * the reward function scored each rollout once, on the final answer;
-* the endpoint listened on loopback only, and its port is closed once the run has ended.
+* the endpoint listened on loopback only, and its port is closed once the run has ended;
+* a reward the agent reports for its first call (``llm.emit_reward``) is that call's record and that turn's
+  reward in the row.
 
 A second run is killed while saving step 2 and started again: it must repeat the uninterrupted run's steps.
 """
@@ -24,7 +26,7 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
-from helpers.runs import experiment_dir, read_metrics, run_command, tail
+from helpers.runs import REPO, experiment_dir, read_metrics, run_command, tail
 from helpers.resume_point import resume_point
 from transformers import AutoTokenizer
 
@@ -39,13 +41,32 @@ HOOKS = textwrap.dedent(
     def on_succeeded(record):
         calls = [
             {{"index": c.index, "prompt_ids": list(c.prompt_ids), "response_ids": list(c.response_ids),
-             "log_probs": list(c.log_probs), "version": c.version}}
+             "log_probs": list(c.log_probs), "version": c.version, "reward": c.reward}}
             for c in record.calls
         ]
         with open({path!r}, "a") as f:
             f.write(json.dumps({{"rollout_id": record.rollout_id, "calls": calls}}) + "\\n")
     """
 )
+
+# The demo agent, reporting a reward of 0.5 for its first call (its "look" turn) before it returns.
+AGENT = textwrap.dedent(
+    """
+    import asyncio
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_agent", {path!r})
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+
+
+    async def solve(task, llm):
+        reward = await demo.solve(task, llm)
+        await asyncio.to_thread(llm.emit_reward, 0.5, 0)
+        return reward
+    """
+)
+LOOK_REWARD = 0.5
 
 REWARD = textwrap.dedent(
     """
@@ -68,6 +89,7 @@ def _command(tmp, *extra, out=None):
         f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
         f"worker.reward.reward_function_kwargs={{log_path: {tmp / 'scored.jsonl'}}}",
         f"worker.rollout.agent_hooks.on_succeeded={tmp / 'hooks.py'}:on_succeeded",
+        f"worker.rollout.agent={tmp / 'agent.py'}:solve",
         "trainer.save_freq=1", "trainer.logger=[console,file]", *extra,
     ]  # fmt: skip
 
@@ -76,6 +98,7 @@ def _command(tmp, *extra, out=None):
 def _files(tmp):
     (tmp / "reward.py").write_text(REWARD)
     (tmp / "hooks.py").write_text(HOOKS.format(path=str(tmp / "calls.jsonl")))
+    (tmp / "agent.py").write_text(AGENT.format(path=str(REPO / "examples" / "openai_agent" / "agent.py")))
 
 
 def _validation(tmp):
@@ -108,6 +131,7 @@ def test_the_rows_are_the_calls_the_endpoint_recorded(uninterrupted):
         calls = recorded[row["rollout_id"]]
         assert len(calls) == 2  # look, then answer
         first, second = calls
+        assert (first["reward"], second["reward"]) == (LOOK_REWARD, 0.0)  # as the agent reported them
         start = len(first["prompt_ids"])  # the row's prompt is call 1's
         if second["prompt_ids"][:start] != first["prompt_ids"]:
             continue  # a split row (the reply did not re-encode to its tokens): checked in test_agent_mode_rows
@@ -120,6 +144,7 @@ def test_the_rows_are_the_calls_the_endpoint_recorded(uninterrupted):
         assert row["loss_mask"] == [1] * len(first["response_ids"]) + [0] * len(observation) + [1] * len(
             second["response_ids"]
         )
+        assert row["turn_rewards"] == [LOOK_REWARD, 0.0]  # the reported reward reached its turn
         trained = [x for x, m in zip(row["rollout_log_probs"], row["loss_mask"]) if m]
         assert trained == pytest.approx(first["log_probs"] + second["log_probs"], abs=0)
     assert merged >= 4, "most rows of an append-only template merge both calls"

@@ -117,3 +117,33 @@ def test_external_agent_rows_log_only_the_metrics_that_mean_something_for_them()
     # What does mean something: calls (turns) per row, the trained share of what follows the prompt.
     assert m["agent/turns/mean"] == 1.5 and m["agent/turns/max"] == 2
     assert m["action/ratio"] == 4 / 5 and m["agent/observation_tokens/mean"] == 0.5
+
+
+def test_rewards_an_agent_reported_count_once_for_their_whole_rollout_under_per_rollout_credit():
+    """Two rollouts of one task; rollout r1 made two rows (its calls did not extend each other), and its agent
+    reported 0.5 for a call of its first row; rollout r2 made one row and reported nothing.
+
+    Scores: r1's reward 1.0 plus 0.5 = 1.5; r2's 0.0. GRPO over the two rollouts (not three rows): mean 0.75,
+    unbiased std |1.5 - 0| / sqrt(2); A_r1 = 0.75 / 1.0607 = 1/sqrt(2), A_r2 = -1/sqrt(2), on every trained token
+    of each rollout's rows. Without the turn's reward both rows of r1 would carry 1.0 and r1 would score 1.0.
+    """
+    import dataclasses
+
+    from vlmrl.config.schema import AlgorithmConfig
+    from vlmrl.driver.advantage import AdvantageStage
+    from vlmrl.driver.scoring import Rewards
+
+    def row(sample, rollout, rewards):
+        t = _conversation(0, sample, [2], obs=0, turn_rewards=rewards)
+        return dataclasses.replace(t, rollout_id=rollout)
+
+    rows = [row(0, "r1", [0.5]), row(1, "r1", [0.0]), row(2, "r2", [0.0])]
+    batch = to_batch(rows, max_prompt_length=4, max_response_length=4, pad_token_id=0)
+    overall = [1.0, 1.0, 0.0]  # each row carries its rollout's reward
+    scores = add_turn_rewards(place_scores(overall, batch.response_mask), batch)
+    Rewards(scores, {"overall": overall}, {}).assign_to(batch)
+    out = AdvantageStage(AlgorithmConfig(), kl_in_reward=False, per_rollout=True)(batch)
+    expected = torch.tensor([2**-0.5, 2**-0.5, -(2**-0.5)])
+    assert torch.allclose(out.advantages[:, :2], expected[:, None].expand(3, 2), atol=1e-5)
+    # The reported reward sits on its turn's last token in the token-level rewards.
+    assert out.token_level_rewards[0, :2].tolist() == [0.0, 1.5]

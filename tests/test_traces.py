@@ -4,6 +4,8 @@ Token ids are small made-up integers; ``decode`` writes them out joined by
 spaces, so a mismatch's decoded views can be checked exactly.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -195,3 +197,19 @@ def test_row_with_images_needs_the_family_positions_and_its_media():
         row.to_trajectory(group_id=0, media=[Media("image", 1, None)])
     t = row.to_trajectory(group_id=0, media=[Media("image", 1, None)], position_ids=torch.zeros(3, 4, dtype=torch.long))
     assert t.media[0].offset == 1
+
+
+def test_rewards_the_agent_reported_for_its_calls_become_the_rows_turn_rewards():
+    # Rollout a's calls make one row with turns ending at 4, 7 and 10 (above); the agent reported 0.5 for call 0
+    # and -1 for call 2, so the row's turn rewards are [0.5, 0, -1] and its trajectory carries them, one per turn
+    # end (the scorer adds each on its turn's last token). Under transition aggregation each call's row has its own.
+    calls = [dataclasses.replace(c, reward=r) for c, r in zip(append_only_calls(), [0.5, 0.0, -1.0])]
+    (row,) = aggregate({"a": calls}, TraceAggregation.trajectory, decode).rows
+    assert row.turn_ends == [4, 7, 10] and row.turn_rewards == [0.5, 0.0, -1.0]
+    assert row.to_trajectory(group_id=0).turn_rewards == [0.5, 0.0, -1.0]
+    rows = aggregate({"a": calls}, TraceAggregation.transition, decode).rows
+    assert [r.turn_rewards for r in rows] == [[0.5], [0.0], [-1.0]]
+    # A call with an empty response has no turn of its own: its reward goes to the row's previous turn.
+    empty = [calls[0], call(1, [1, 2, 3, 4, 5, 6], [], [], reward=2.0)]
+    (row,) = aggregate({"a": empty}, TraceAggregation.trajectory, decode).rows
+    assert row.turn_rewards == [2.5]

@@ -25,7 +25,8 @@ Reward functions:
 
 Agents (``worker.rollout.agent``) and their hooks (``worker.rollout.agent_hooks``):
 
-- ``AgentLLM``: the ``llm`` an agent gets: base_url, api_key and model of the rollout's OpenAI-compatible endpoint.
+- ``AgentLLM``: the ``llm`` an agent gets: base_url, api_key and model of the rollout's OpenAI-compatible endpoint,
+  and ``emit_reward`` to report a reward for one of its calls before the rollout ends.
 - ``AgentTask``: a rollout's task as a hook sees it (``RolloutRecord.task``): its id, the row's fields, its images.
 - ``RolloutRecord``: what a hook gets: the rollout's task, status, reward, recorded calls, answer and error.
 - ``AgentStatus``: how a rollout ended: ok, raised, timeout, died or no_call.

@@ -76,8 +76,7 @@ class AdvantageStage:
             self.kl_controller.update(current_kl.item(), n_steps=len(batch))
         kwargs: dict[str, Any] = {arg: getattr(self.algo, key) for arg, key in self.spec.knobs.items()}
         if self.per_rollout:
-            # Each row's reward sits on its last trained token; the rows of a rollout carry the same one.
-            scores = algos.masked_sum(rewards, batch.response_mask, dim=-1).tolist()
+            scores = self._rollout_scores(batch, rewards)
             advantages, returns = algos.rollout_advantages(
                 batch.rollout_ids, batch.group_ids.tolist(), scores, batch.response_mask, self.algo.adv_estimator,
                 **kwargs,
@@ -108,6 +107,26 @@ class AdvantageStage:
         signal = algos.distillation_signal(student, teacher, mask, d.estimator)
         combined = algos.distilled_advantages(advantages, signal, mask, d.coef, d.mode)
         return combined, algos.distillation_metrics(student, teacher, signal, mask, d.coef)
+
+    def _rollout_scores(self, batch: Batch, rewards: torch.Tensor) -> list[float]:
+        """Each row's rollout score for a per-rollout estimator.
+
+        Without turn rewards, each row's reward sits on its last trained token and the rows of a rollout carry
+        the same one. With them (an agent's ``emit_reward``, a workflow's ``turn_rewards``) a row carries its
+        own turns' rewards beside the rollout's, so the rows differ: the rollout's score is then its reward
+        (``overall``, shared by its rows) plus the turn rewards of all its rows, shaped as a sequence score.
+        """
+        turns = [sum(t.turn_rewards) for t in batch.trajectories]
+        if not any(turns):
+            return algos.masked_sum(rewards, batch.response_mask, dim=-1).tolist()
+        reported: dict[str, float] = {}
+        for rollout_id, turn in zip(batch.rollout_ids, turns, strict=True):
+            reported[rollout_id] = reported.get(rollout_id, 0.0) + turn
+        overall = batch.reward_metrics["overall"]
+        raw = [o + reported[r] for o, r in zip(overall, batch.rollout_ids, strict=True)]
+        a = self.algo
+        shaped = algos.shape_scores(torch.tensor(raw, dtype=torch.float64), a.reward_scaling, a.reward_bias, a.reward_clip)
+        return shaped.tolist()
 
     def _shaped(self, scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         a = self.algo

@@ -52,6 +52,28 @@ class AgentLLM:
     """This rollout's own key (the endpoint's token and the rollout's secret): never print or log it."""
     model: str = "vlmrl"
 
+    def emit_reward(self, reward: float, call: int | None = None, timeout: float = 30.0) -> None:
+        """Report a reward for one of this rollout's calls before the rollout ends (default: its latest call):
+        it is added on that call's last response token, as a tool's turn reward is. Rewards for one call add up.
+        Blocking (a small HTTP POST to ``base_url/rewards``); from an ``async def`` agent use
+        ``await asyncio.to_thread(llm.emit_reward, r)``. Raises ``RuntimeError`` with the endpoint's message
+        when it refuses the reward."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"reward": reward, **({} if call is None else {"call": call})}).encode()
+        request = urllib.request.Request(
+            self.base_url.rstrip("/") + "/rewards", data=body, method="POST",
+            headers={"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            # No proxy: the endpoint is on this machine, and a proxy from the environment would not reach it.
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=timeout) as response:
+                response.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"the endpoint refused the reward ({e.code}): {e.read().decode(errors='replace')}") from None
+
 
 def check_agent(fn: Any, spec: str, key: str = KEY) -> bool:
     """Raise UserCodeError naming ``spec`` unless ``fn`` can be called as ``fn(task, llm)``; True if it is

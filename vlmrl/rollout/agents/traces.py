@@ -62,6 +62,9 @@ class Call:
     temperature: float = 1.0
     images: tuple[Any, ...] = ()
     """References to the prompt's images, in the order of their placeholder runs (compared with ``==``)."""
+    reward: float = 0.0
+    """What the agent reported for this call before its rollout ended (``POST /v1/rewards``,
+    ``AgentLLM.emit_reward``): a turn reward, added on the call's last response token."""
 
     def __post_init__(self) -> None:
         if len(self.log_probs) != len(self.response_ids):
@@ -101,6 +104,9 @@ class TraceRow:
     """The last call's."""
     images: tuple[Any, ...] = ()
     """The row's image references, in sequence order (the last call's prompt images)."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """One per ``turn_ends``: the rewards the agent reported for the calls of that response (a call with no
+    response adds its reward to the row's previous turn)."""
 
     @property
     def call_span(self) -> tuple[int, int]:
@@ -156,7 +162,7 @@ class TraceRow:
             mm_inputs=dict(mm_inputs or {}),
             media=media,
             turn_ends=list(self.turn_ends),
-            turn_rewards=[0.0] * len(self.turn_ends),
+            turn_rewards=list(self.turn_rewards),
             stop_reason=self.finish_reason,
             rollout_id=self.rollout_id,  # rows of one rollout weigh as one under loss_avg_mode=per_rollout_mean
             **fields,
@@ -261,6 +267,7 @@ def _start(c: Call) -> TraceRow:
         temperature=c.temperature,
         finish_reason=c.finish_reason,
         images=tuple(c.images),
+        turn_rewards=[float(c.reward)] if r else [],
     )
 
 
@@ -275,6 +282,9 @@ def _extend(row: TraceRow, c: Call) -> None:
     row.versions += [-1] * o + [c.version] * r
     if r:
         row.turn_ends.append(len(row.token_ids) - 1)
+        row.turn_rewards.append(float(c.reward))
+    elif row.turn_rewards:
+        row.turn_rewards[-1] += float(c.reward)
     row.finish_reason = c.finish_reason
     row.images = tuple(c.images)
 

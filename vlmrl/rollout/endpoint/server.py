@@ -67,9 +67,11 @@ trace aggregation's check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
+import math
 import secrets
 import socket
 import threading
@@ -109,6 +111,8 @@ class _Rollout:
     on what else the engine serves at the time (an exact resume repeats them)."""
     temperature: float = 1.0
     """The temperature of the calls that give none (the trainer's: its rollouts', or greedy validation's)."""
+    rewards: dict[int, float] = field(default_factory=dict)
+    """Call index -> the rewards the agent reported for it (``POST /v1/rewards``), summed."""
 
 
 class AgentEndpoint:
@@ -170,6 +174,7 @@ class AgentEndpoint:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/rewards", self._reward)
         # keepalive_timeout closes a connection that has sent no complete request's headers that long after it
         # opened or after its last reply; lingering_time=0: a refused body is not read to its end.
         self._runner = web.AppRunner(
@@ -270,7 +275,9 @@ class AgentEndpoint:
             pending = list(rollout.requests)
         if pending and self._engine_loop is not None:
             self._engine_loop.abort(pending)
-        return sorted(rollout.calls, key=lambda c: c.index)
+        calls = [dataclasses.replace(c, reward=rollout.rewards[c.index]) if c.index in rollout.rewards else c
+                 for c in rollout.calls]  # fmt: skip
+        return sorted(calls, key=lambda c: c.index)
 
     # ------------------------------------------------------------ weight syncs
 
@@ -424,6 +431,32 @@ class AgentEndpoint:
         parse = self.parse_tools if tools is not None and body.get("tool_choice") != "none" else None
         choices = await self._in_pool(self._choices, chat_choice, output, parse, options.log_probs)
         return self._response("chat.completion", "chatcmpl", choices, prompt, output, indices)
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        """``{"reward": r, "call": i}``: a reward for call ``i`` of the caller's rollout (default: its latest
+        recorded call), summed with earlier ones for it; it becomes that call's turn reward when the rollout ends."""
+        rollout_id = self._authorize(request)
+        body = await self._body(request)
+        reward, call = body.get("reward"), body.get("call")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            raise EndpointError(400, f"'reward' must be a finite number; got {reward!r}", "invalid_reward",
+                                param="reward")  # fmt: skip
+        with self._lock:
+            rollout = self._live(rollout_id)
+            recorded = sorted(c.index for c in rollout.calls)
+            if call is None:
+                if not recorded:
+                    raise EndpointError(400, f"rollout {rollout_id!r} has no recorded call to reward yet",
+                                        "invalid_call", param="call")  # fmt: skip
+                call = recorded[-1]
+            elif isinstance(call, bool) or not isinstance(call, int) or call not in recorded:
+                raise EndpointError(
+                    400, f"'call' {call!r} is not a recorded call of rollout {rollout_id!r}; its calls: {recorded}",
+                    "invalid_call", param="call",
+                )  # fmt: skip
+            rollout.rewards[call] = rollout.rewards.get(call, 0.0) + float(reward)
+            total = rollout.rewards[call]
+        return web.json_response({"object": "reward", "call": call, "reward": total})
 
     async def _completions(self, request: web.Request) -> web.Response:
         rollout_id = self._authorize(request)
