@@ -281,3 +281,29 @@ def test_two_async_steps_with_a_teacher_train_on_its_signal(tmp_path):
     first, second = steps
     assert first["async/lag/max"] == 0 and second["async/lag/mean"] == 1 and second["async/lag/max"] == 1, second
     assert second["rollout/log_prob_diff_mean"] > 1e-3, second
+
+
+# --------------------------------------------------------------------------- the example learns
+
+
+@pytest.mark.e2e
+def test_the_example_student_learns_the_colours_from_the_teacher_alone(tmp_path):
+    """examples/distillation.yaml as shipped (16 prompts x 8 samples a step, mode=replace, no KL), cut to 16
+    steps: greedy validation accuracy on its 128 prompts must pass 0.5 at step 16.
+
+    Why 0.5: the student starts at 0.258 (it names a colour at random: chance is 0.25), and the same run with the
+    teacher's signal turned off (coef=0) stays at 0.258 at every step, since every advantage is then exactly 0
+    and no weight moves (test_with_coef_0_every_advantage_is_exactly_0_so_nothing_trains_the_example). Measured
+    with the signal on, seeds 1/2/3: 0.914/0.727/0.977 at step 16 (docs/reference/algorithms.md). The reward is
+    logged but not trained on, so the rise is the teacher's."""
+    from vlmrl.api import train
+
+    run = {
+        "trainer.max_steps": 16, "trainer.val_freq": 16, "trainer.val_before_train": False,
+        "trainer.logger": ["file"], "trainer.save_freq": -1, "trainer.save_hf_weights": False,
+        "trainer.val_generations_to_log": 0, "trainer.output_dir": str(tmp_path),
+    }  # fmt: skip
+    result = train("examples/distillation.yaml", run)
+    metrics = [json.loads(line) for line in (result.experiment_dir / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [m["val/reward/accuracy"] for m in metrics if "val/reward/accuracy" in m]
+    assert len(accuracy) == 1 and accuracy[0] > 0.5, accuracy
