@@ -15,3 +15,8 @@ def workflow_name(rollout: RolloutConfig) -> str:
     if rollout.multi_turn.enable:
         return "multi_turn"
     return rollout.workflow
+
+
+ON_ROLLOUT_SERVERS = ("single_turn", "multi_turn")
+"""The kinds a rollout server (disaggregated placement) plays; an external agent's endpoint and a workflow class
+run beside a colocated engine."""

@@ -39,6 +39,7 @@ ids), never the generated work: a resumed run generates them again, so each prom
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -52,8 +53,9 @@ import torch
 from vlmrl import algos
 from vlmrl.config import Config
 from vlmrl.driver.metrics import reduce_reward_metrics
+from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.sampler import (
-    Rollout, Sampler, baseline_scores, filter_scores, filtering_error, greedy_sampling,
+    Rollout, Sampler, baseline_scores, filter_scores, filtering_error, greedy_sampling, rows_to_train,
 )  # fmt: skip
 from vlmrl.driver.scoring import Rewards, Scorer, ScoringJob
 from vlmrl.driver.staleness import StaleAction, StalenessManager
@@ -108,7 +110,13 @@ class AsyncRolloutSampler(Sampler):
         sampling: Sampling,
         new_group_ids: Callable[[int], list[int]],
         prompt_by_row: Callable[[int], PromptSample],
+        advantages: AdvantageStage | None = None,
+        rows_per_update: int = 1,
+        variable_rows: bool = False,
     ):
+        """``variable_rows``, ``advantages`` and ``rows_per_update``: as ``RolloutSampler``'s. A kind whose rows
+        vary (an external agent, a workflow class) has the step's groups scored, given advantages and trimmed to
+        whole mini-batches when the step takes them, before the log-prob passes."""
         a = config.worker.rollout.async_rl
         self.groups_per_step = config.data.rollout_batch_size
         self.manager = StalenessManager(
@@ -118,6 +126,7 @@ class AsyncRolloutSampler(Sampler):
             a.stale_policy,
         )
         self.workers, self.scorer, self.sampling = workers, scorer, sampling
+        self.variable_rows, self.advantage_stage, self.rows_per_update = variable_rows, advantages, rows_per_update
         self.pool = getattr(workers, "rollout_pool", None)
         """Disaggregated: the rollout servers, generating while the trainer trains; None: the workers' engines."""
         self.generating: list[_Call] = []
@@ -224,6 +233,16 @@ class AsyncRolloutSampler(Sampler):
             metrics["filter/tries"] = float(math.ceil(seen / self.groups_per_step))
             metrics["filter/kept_group_ratio"] = len(taken) / seen
         on_policy = bool(generated.numel()) and bool((generated == version).all())
+        if self.variable_rows:
+            # As the synchronous sampler does for such kinds: the rewards now, the advantages over the groups
+            # taken, and the rows trimmed to whole mini-batches before the passes. The counts are those of the
+            # rollouts this step generated (its own groups or later ones).
+            counts = self.workers.take_rollout_counts() if self.pool is None else {}
+            rollout = rows_to_train(
+                batch, self._rewards(taken), self.advantage_stage, self.rows_per_update, self.workers.world_size,
+                {**counts, **metrics},
+            )  # fmt: skip
+            return dataclasses.replace(rollout, on_policy=on_policy, version=version)
         # The rewards are collected when the step asks for them, after its log-prob passes, as the synchronous
         # sampler's are: with eta = 0 the schedule is the synchronous one, overlap included.
         return Rollout(batch, lambda: self._rewards(taken), metrics=metrics, on_policy=on_policy, version=version)

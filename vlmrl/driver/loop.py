@@ -121,8 +121,9 @@ class TrainingLoop:
         self.sampler: Sampler
         if rollout.async_rl.enable:  # groups admitted ahead under a staleness bound, scored while the trainer trains
             self.sampler = AsyncRolloutSampler(
-                config, workers, self.scorer, self.train_sampling, self._group_ids, train_loader.dataset.sample
-            )
+                config, workers, self.scorer, self.train_sampling, self._group_ids, train_loader.dataset.sample,
+                self.advantages, plan.samples_per_update, variable_rows=self.kind.variable_rows,
+            )  # fmt: skip
         else:
             self.sampler = RolloutSampler(
                 config, workers, self.scorer, self.train_sampling, self._group_ids, self.advantages,

@@ -152,27 +152,7 @@ class RolloutSampler(Sampler):
         batch = self._generate(prompts, prompt_of)
         metrics = self.workers.take_rollout_counts()
         rewards = self.scorer.collect(self.scorer.launch(batch), batch)
-        rewards.assign_to(batch)
-        advantages = self.advantage_stage(batch)
-        advantages.assign_to(batch)
-        world = self.workers.world_size
-        unit = self.rows_per_update if len(batch) >= self.rows_per_update else world
-        kept, dropped = algos.trim_to_mini_batches(
-            batch.advantages, batch.response_mask, batch.group_ids.tolist(), unit
-        )
-        if not kept:
-            raise NoAgentRowsError(
-                f"the rollouts made {len(batch)} row(s), fewer than the {world} workers that train; their counts: "
-                f"{ {k: int(v) for k, v in metrics.items()} }"
-            )
-        metrics["trace/trimmed_rows"] = float(dropped)
-        metrics["trace/rows_trained"] = float(len(kept))
-        batch = batch.select(kept)
-        advantages = Advantages(batch.token_level_rewards, batch.advantages, batch.returns, advantages.metrics)
-        rewards = dataclasses.replace(
-            rewards, token_level_scores=batch.token_level_scores, per_sample=batch.reward_metrics
-        )
-        return Rollout(batch, lambda: rewards, advantages, metrics)
+        return rows_to_train(batch, rewards, self.advantage_stage, self.rows_per_update, self.workers.world_size, metrics)
 
     def _filtered(self, prompts, more_prompts, prompt_of) -> tuple[Batch, Rewards]:
         algo = self.algo
@@ -220,6 +200,31 @@ class RolloutSampler(Sampler):
         """ReMax: each sample's greedy-baseline reward (B,), and the baseline's reward metrics."""
         greedy_score, rewards = baseline_scores(self.scorer, job, greedy)
         return torch.tensor([greedy_score[g] for g in batch.group_ids.tolist()]), rewards.metrics
+
+
+def rows_to_train(
+    batch: Batch, rewards: Rewards, stage: AdvantageStage, rows_per_update: int, world: int, metrics: dict[str, float]
+) -> Rollout:
+    """Rows that vary (an agent's calls, a workflow's dropped samples), scored: their advantages over every
+    rollout that finished, then the rows trimmed to whole mini-batches (``RolloutSampler._varying_rows``; the
+    asynchronous sampler does the same with the groups it takes). ``metrics``: the rollouts' counts, to which the
+    trim's are added."""
+    rewards.assign_to(batch)
+    advantages = stage(batch)
+    advantages.assign_to(batch)
+    unit = rows_per_update if len(batch) >= rows_per_update else world
+    kept, dropped = algos.trim_to_mini_batches(batch.advantages, batch.response_mask, batch.group_ids.tolist(), unit)
+    if not kept:
+        raise NoAgentRowsError(
+            f"the rollouts made {len(batch)} row(s), fewer than the {world} workers that train; their counts: "
+            f"{ {k: int(v) for k, v in metrics.items()} }"
+        )
+    metrics["trace/trimmed_rows"] = float(dropped)
+    metrics["trace/rows_trained"] = float(len(kept))
+    batch = batch.select(kept)
+    advantages = Advantages(batch.token_level_rewards, batch.advantages, batch.returns, advantages.metrics)
+    rewards = dataclasses.replace(rewards, token_level_scores=batch.token_level_scores, per_sample=batch.reward_metrics)
+    return Rollout(batch, lambda: rewards, advantages, metrics)
 
 
 def greedy_sampling(sampling: Sampling) -> Sampling:

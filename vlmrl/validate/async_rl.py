@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vlmrl.config import AsyncPlacement, Config
+from vlmrl.config.kinds import ON_ROLLOUT_SERVERS, workflow_name
 from vlmrl.config.options import WeightTransfer
 
 P = "worker.rollout.async_rl"
@@ -42,11 +43,6 @@ def async_problems(config: Config) -> list[str]:
             "worker.actor.use_decoupled_loss=true or leave it unset (it is then on, with vLLM's log-probs), "
             f"or {P}.max_head_offpolicyness=0"
         )
-    if config.worker.rollout.agent:
-        problems.append(
-            f"worker.rollout.agent with {P}.enable=true: an external agent's rollouts are not admitted under the "
-            "bound yet (the built-in multi_turn loop's are); drop one of them"
-        )
     return problems
 
 
@@ -65,6 +61,13 @@ def _disaggregated_problems(config: Config) -> list[str]:
             f"{P}.weight_sync_interval={k} {where} and max_head_offpolicyness={eta}: between pushes the servers "
             f"sample with weights up to {k - 1} version(s) behind the trainer, so every such group would be stale; "
             f"raise {P}.max_head_offpolicyness to {k - 1} or more, or lower the interval to {eta + 1}"
+        )
+    kind = workflow_name(rollout)
+    if kind not in ON_ROLLOUT_SERVERS:
+        problems.append(
+            f"worker.rollout.workflow={kind} {where}: a rollout server plays {' and '.join(ON_ROLLOUT_SERVERS)} "
+            "rollouts; an external agent's endpoint and a workflow class run beside the colocated engine for now; "
+            f"use {P}.placement=colocated"
         )
     if rollout.tensor_parallel_size > 1:
         problems.append(

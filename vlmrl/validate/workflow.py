@@ -71,9 +71,4 @@ def workflow_problems(config: Config) -> list[str]:
             "a tensor-parallel engine must send it the same requests, which a workflow's code does not promise; "
             "set worker.rollout.tensor_parallel_size=1"
         )
-    if rollout.async_rl.enable:
-        problems.append(
-            f"worker.rollout.async_rl.enable=true with {KEY}={chosen}: a workflow's rollouts are not admitted under "
-            "the staleness bound yet; set worker.rollout.async_rl.enable=false"
-        )
     return problems

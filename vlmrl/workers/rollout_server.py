@@ -40,6 +40,7 @@ import ray
 from transformers import AutoConfig
 
 from vlmrl.config import Config
+from vlmrl.config.kinds import ON_ROLLOUT_SERVERS
 from vlmrl.heap import started
 from vlmrl.models import family_of
 from vlmrl.plan import Plan
@@ -53,9 +54,6 @@ from vlmrl.weight_sync.object_store import WeightBuckets
 from vlmrl.workers.rollout import RolloutWorker
 from vlmrl import workflows
 
-SERVED = ("single_turn", "multi_turn")
-"""The rollout kinds a server plays; an external agent's endpoint and user workflows need the colocated worker."""
-
 ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 """The server's process environment: vLLM's engine core in the actor's own process (so ``load_weights`` hands
 it the tensors directly), and no tokenizer threads fighting the engine for the cores."""
@@ -66,9 +64,11 @@ class RolloutServer:
 
     def __init__(self, config: Config, plan: Plan, rank: int = 0):
         kind = workflows.workflow_name(config.worker.rollout)
-        if kind not in SERVED:
-            raise ValueError(f"RolloutServer serves {' and '.join(SERVED)} rollouts; worker.rollout.workflow={kind} "
-                             "needs the colocated worker")  # fmt: skip
+        if kind not in ON_ROLLOUT_SERVERS:
+            raise ValueError(
+                f"RolloutServer serves {' and '.join(ON_ROLLOUT_SERVERS)} rollouts; worker.rollout.workflow={kind} "
+                "needs the colocated worker"
+            )
         if plan.tensor_parallel_size > 1:
             # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
             raise ValueError(
