@@ -87,8 +87,6 @@ def test_after_each_push_and_a_resume_the_server_log_probs_are_the_trainers(eta0
     ("overrides", "says"),
     [
         (["worker.rollout.async_rl.rollout_workers=0"], "rollout_workers=0"),
-        (["worker.rollout.workflow=examples/workflows/zoom_and_answer.py:ZoomAndAnswer"],
-         "a rollout server plays single_turn and multi_turn rollouts"),
         (["worker.rollout.tensor_parallel_size=2", "trainer.n_gpus_per_node=2"], "raise worker.rollout.async_rl"),
         (["worker.rollout.async_rl.weight_sync_interval=3"], "weight_sync_interval=3 with"),
         (["worker.rollout.async_rl.weight_sync_interval=0"], "weight_sync_interval=0: must be 1"),

@@ -83,7 +83,10 @@ def _sampler(eta, policy="drop", groups=2, estimator="grpo", filtering=False, ma
         trainer=SimpleNamespace(max_try_make_batch=max_tries),
         worker=SimpleNamespace(
             rollout=SimpleNamespace(
-                async_rl=SimpleNamespace(max_head_offpolicyness=eta, max_concurrent_rollouts=None, stale_policy=policy)
+                async_rl=SimpleNamespace(
+                    max_head_offpolicyness=eta, max_concurrent_rollouts=None, stale_policy=policy,
+                    consume_order="admitted",
+                )
             )
         ),
     )

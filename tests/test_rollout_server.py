@@ -110,12 +110,12 @@ def test_a_load_mid_generation_splits_each_response_between_the_versions_that_sa
     v = _restart_on(server, parts.weights)
     sampling = Sampling(n=2, temperature=1.0, max_tokens=200, ignore_eos=True, want_log_probs=True)
     call = (parts.prompts[:2], [0, 1], sampling)
-    reference, _ = ray.get(server.generate.remote(*call))
+    reference, _, _ = ray.get(server.generate.remote(*call))
 
     pending = server.generate.remote(*call)
     _wait_in_flight(server, 2)  # the loop has taken both requests: the load lands after their first step
     push_weights(parts.perturbed.items(), [server], v + 1, interrupt)
-    trajectories, _ = ray.get(pending)
+    trajectories, _, _ = ray.get(pending)
     assert _version(server) == v + 1
 
     assert len(trajectories) == len(reference) == 4
@@ -141,7 +141,7 @@ def test_after_a_push_the_engine_log_probs_are_the_hf_models(server, parts):
     metrics = push_weights(parts.perturbed.items(), [server], v, bucket_bytes=1 << 20)
     assert metrics["perf/resync_buckets"] > 1 and _version(server) == v
     sampling = Sampling(n=4, temperature=1.0, max_tokens=16, ignore_eos=True, want_log_probs=True)
-    trajectories, _ = ray.get(server.generate.remote([parts.text], [7], sampling))
+    trajectories, _, _ = ray.get(server.generate.remote([parts.text], [7], sampling))
     assert all(t.versions[t.prompt_length :] == [v] * 16 for t in trajectories)
 
     batch = to_batch(
@@ -173,7 +173,7 @@ def test_two_calls_in_flight_at_once_sample_what_each_samples_alone(server, part
     while len(ray.wait(pending, num_returns=2, timeout=0)[0]) < 2:
         assert time.monotonic() < deadline, "the two calls did not finish within 60 s"
         peak = max(peak, ray.get(server.in_flight.remote()))
-    together = [trajectories for trajectories, _ in ray.get(pending)]
+    together = [trajectories for trajectories, _, _ in ray.get(pending)]
     assert peak == 4  # both calls' requests shared the engine's steps
     for ours, theirs in zip(together, alone, strict=True):
         assert [t.token_ids for t in ours] == [t.token_ids for t in theirs]

@@ -16,7 +16,3 @@ def workflow_name(rollout: RolloutConfig) -> str:
         return "multi_turn"
     return rollout.workflow
 
-
-ON_ROLLOUT_SERVERS = ("single_turn", "multi_turn")
-"""The kinds a rollout server (disaggregated placement) plays; an external agent's endpoint and a workflow class
-run beside a colocated engine."""

@@ -159,6 +159,16 @@ class StalePolicy(_Choice):
     """Train it anyway and count it in ``accepted_stale`` (the bound is then a soft one)."""
 
 
+class ConsumeOrder(_Choice):
+    """Which admitted groups a step takes (``worker.rollout.async_rl.consume_order``)."""
+
+    admitted = "admitted"
+    """The oldest admitted first, in data order: a step waits for its oldest group however slow it is."""
+    finished = "finished"
+    """Those that finished first (on rollout servers): a slow rollout keeps generating while faster groups train,
+    as Agent Lightning's and AReaL's trainers take what is ready; the step's rows stay in admission order."""
+
+
 class PartialRollout(_Choice):
     """What a weight update does to responses being generated (``worker.rollout.async_rl.partial_rollout``)."""
 

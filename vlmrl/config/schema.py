@@ -40,6 +40,7 @@ from vlmrl.config.options import (
     AgentFailurePolicy,
     AsyncPlacement,
     BadSamplePolicy,
+    ConsumeOrder,
     Device,
     DType,
     JudgeParse,
@@ -583,6 +584,10 @@ class AsyncConfig:
     stale_policy: StalePolicy = StalePolicy.drop
     """A group whose oldest token is more than eta versions old when it would train: drop it, requeue its prompt
     for a fresh generation, or accept it and count it (the bound is then a soft one)."""
+    consume_order: ConsumeOrder = ConsumeOrder.admitted
+    """Which admitted groups a step takes: admitted (the oldest first, in data order) or finished (those the
+    rollout servers finished first, so a slow rollout never holds up a step; colocated, every admitted group has
+    finished when a step takes it, and the two are the same)."""
     placement: AsyncPlacement = AsyncPlacement.colocated
     """colocated (one pool; the engine and the actor share each worker) or disaggregated (rollout servers with
     their own engines, apart from the trainer workers)."""

@@ -40,6 +40,7 @@ ids), never the generated work: a resumed run generates them again, so each prom
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -51,7 +52,7 @@ import ray
 import torch
 
 from vlmrl import algos
-from vlmrl.config import Config
+from vlmrl.config import Config, ConsumeOrder
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.sampler import (
@@ -97,6 +98,8 @@ class _Group:
     admitted_at: int = 0
     """The policy version when it was admitted (and generated)."""
     baseline: _Baseline | None = None
+    seq: int = 0
+    """Its place in the admission order (a step's rows are in this order, whichever group finished first)."""
 
 
 class AsyncRolloutSampler(Sampler):
@@ -148,6 +151,9 @@ class AsyncRolloutSampler(Sampler):
         if algos.ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_greedy_baseline:
             self.greedy = greedy_sampling(sampling)
         self._timeouts = 0
+        self.finished_first = a.consume_order is ConsumeOrder.finished and self.pool is not None
+        """consume_order=finished on rollout servers: a step takes the admitted groups that finished first."""
+        self._admissions = itertools.count()
         self._lock = threading.RLock()
         """Guards the calls and the manager: the watcher (disaggregated) collects finished calls beside the step."""
         self._watch_error: BaseException | None = None
@@ -181,7 +187,7 @@ class AsyncRolloutSampler(Sampler):
             self._admit(more_prompts)
             if not self.admitted:
                 raise RuntimeError(f"async sampler: nothing admitted and nothing to train ({self.manager.stats()})")
-            group = self.admitted.popleft()
+            group = self._next_group()
             rows = self._rows(group)
             versions = rows.policy_versions.flatten().tolist()
             # Online filtering, on the groups that would train: one outside the bounds gives its slot back, and
@@ -204,6 +210,8 @@ class AsyncRolloutSampler(Sampler):
                 # First in the queue; a new group id gives its rows new sample ids and a new seed, for the
                 # newer weights.
                 self.waiting.appendleft(_Group(self.new_group_ids(1)[0], group.prompt))
+        order = sorted(range(len(taken)), key=lambda i: taken[i].seq)  # admission order, however they finished
+        taken, lags = [taken[i] for i in order], [lags[i] for i in order]
         batch = Batch.concat([self._rows(g) for g in taken])
         self._poll()
         self._score(force=True)  # groups in and not yet scored are scored while the trainer trains
@@ -237,7 +245,7 @@ class AsyncRolloutSampler(Sampler):
             # As the synchronous sampler does for such kinds: the rewards now, the advantages over the groups
             # taken, and the rows trimmed to whole mini-batches before the passes. The counts are those of the
             # rollouts this step generated (its own groups or later ones).
-            counts = self.workers.take_rollout_counts() if self.pool is None else {}
+            counts = self.workers.take_rollout_counts()
             rollout = rows_to_train(
                 batch, self._rewards(taken), self.advantage_stage, self.rows_per_update, self.workers.world_size,
                 {**counts, **metrics},
@@ -291,7 +299,7 @@ class AsyncRolloutSampler(Sampler):
         starting = [self.waiting.popleft() for _ in range(want)]
         for g in starting:
             self.manager.start()
-            g.admitted_at = self.manager.version
+            g.admitted_at, g.seq = self.manager.version, next(self._admissions)
             self.admitted.append(g)
         if self.pool is None:
             # In calls of data.mini_rollout_batch_size prompts, as the synchronous sampler makes them, so eta = 0
@@ -305,6 +313,22 @@ class AsyncRolloutSampler(Sampler):
                 if self.greedy is not None:  # ReMax: the greedy response queued right behind the group's
                     g.baseline = _Baseline(pending=self.pool.submit([g.prompt], [g.group_id], self.greedy))
         self._poll()
+
+    def _next_group(self) -> _Group:
+        """The next admitted group the step takes: the oldest, or (``finished_first``) the oldest of those the
+        servers have finished, waiting for whichever finishes first when none has."""
+        if not self.finished_first:
+            return self.admitted.popleft()
+        while True:
+            self._poll()
+            for group in self.admitted:
+                if group.call.batch is not None:
+                    self.admitted.remove(group)
+                    return group
+            refs = [r for g in self.admitted if g.call.pending is not None for r in g.call.pending.refs]
+            t0 = time.perf_counter()
+            ray.wait(refs, num_returns=1, timeout=1.0)  # the trainer idles until one finishes
+            self.counts["batch_wait_s"] += time.perf_counter() - t0
 
     def _generate_here(self, part: list[_Group]) -> None:
         """Colocated: generate ``part`` on the workers' engines in one call and score its groups in one job.

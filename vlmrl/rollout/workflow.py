@@ -311,7 +311,9 @@ class WorkflowRollouts(RolloutKind):
         return [(p, g, i) for p, g in zip(prompts, group_ids, strict=True) for i in range(sampling.n)]
 
     async def _all(self, prompts, group_ids, sampling) -> list[Any]:
-        engine = AsyncEngine(self.engine)
+        # A rollout server's engine is stepped by its loop's thread, which has its own asynchronous view.
+        asynchronous = getattr(self.engine, "asynchronous", None)
+        engine = asynchronous() if asynchronous is not None else AsyncEngine(self.engine)
         samples = self._samples(prompts, group_ids, sampling)
         image_ids = {id(p): [image_content_id(image) for image in p.images] for p in prompts}
         runs = [

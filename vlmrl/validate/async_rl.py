@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from vlmrl.config import AsyncPlacement, Config
-from vlmrl.config.kinds import ON_ROLLOUT_SERVERS, workflow_name
 from vlmrl.config.options import WeightTransfer
 
 P = "worker.rollout.async_rl"
@@ -61,13 +60,6 @@ def _disaggregated_problems(config: Config) -> list[str]:
             f"{P}.weight_sync_interval={k} {where} and max_head_offpolicyness={eta}: between pushes the servers "
             f"sample with weights up to {k - 1} version(s) behind the trainer, so every such group would be stale; "
             f"raise {P}.max_head_offpolicyness to {k - 1} or more, or lower the interval to {eta + 1}"
-        )
-    kind = workflow_name(rollout)
-    if kind not in ON_ROLLOUT_SERVERS:
-        problems.append(
-            f"worker.rollout.workflow={kind} {where}: a rollout server plays {' and '.join(ON_ROLLOUT_SERVERS)} "
-            "rollouts; an external agent's endpoint and a workflow class run beside the colocated engine for now; "
-            f"use {P}.placement=colocated"
         )
     if rollout.tensor_parallel_size > 1:
         problems.append(

@@ -399,6 +399,8 @@ class WorkerGroup:
         """The rollout kinds' counts since the last call, summed over the workers (``agent/*``, ``trace/*``,
         ``workflow/*``)."""
         counts, self.rollout_counts = self.rollout_counts, {}
+        if self.rollout_pool is not None:
+            counts.update(self.rollout_pool.take_counts())
         return counts
 
     def release(self) -> None:

@@ -61,6 +61,8 @@ class RolloutPool:
         self.pad_token_id = pad_token_id
         self.rollout_timings: dict[str, float] = {}
         """Seconds of the collected calls' pieces (the slowest server's) since ``WorkerGroup.take_rollout_timings``."""
+        self.rollout_counts: dict[str, float] = {}
+        """The rollout kinds' counts of the collected calls since ``WorkerGroup.take_rollout_counts``."""
         self._next_server = 0
         self._busy_mark: tuple[float, float] | None = None
         """(wall clock, the servers' summed engine seconds) when ``idle_share`` last looked."""
@@ -91,11 +93,14 @@ class RolloutPool:
         """The call's rows in prompt order, with the prompts' media, as one ``Batch`` (waits for the call)."""
         results = self._get(call.refs)
         prompt_of = dict(zip(call.group_ids, call.prompts))
-        trajectories = [with_prompt_media(t, prompt_of[t.group_id]) for part, _ in results for t in part]
+        trajectories = [with_prompt_media(t, prompt_of[t.group_id]) for part, _, _ in results for t in part]
+        for _, _, counts in results:  # the kinds' counts (agent/*, trace/*, workflow/*), summed over the servers
+            for key, value in counts.items():
+                self.rollout_counts[key] = self.rollout_counts.get(key, 0.0) + value
         if not trajectories:
             raise RuntimeError(f"the rollout servers returned no rows for {len(call.prompts)} prompt(s)")
         for key in results[0][1]:
-            slowest = max(timings[key] for _, timings in results)
+            slowest = max(timings[key] for _, timings, _ in results)
             self.rollout_timings[key] = self.rollout_timings.get(key, 0.0) + slowest
         # From submission to collection: overlaps training, so this is latency, not the driver's time.
         latency = time.perf_counter() - call.submitted
@@ -132,6 +137,10 @@ class RolloutPool:
     def take_timings(self) -> dict[str, float]:
         timings, self.rollout_timings = self.rollout_timings, {}
         return timings
+
+    def take_counts(self) -> dict[str, float]:
+        counts, self.rollout_counts = self.rollout_counts, {}
+        return counts
 
     def shutdown(self) -> None:
         for server in self.servers:

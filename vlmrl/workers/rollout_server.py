@@ -21,8 +21,10 @@ directly; multi-turn calls run the turn loop in the call's thread, each turn's
 requests going through the loop (``LoopedEngine``), with the tools or the
 environment in this actor. Under ``refuse`` a load waits for the turns in
 flight, so it lands at turn boundaries; under ``continue`` a turn it interrupts
-has tokens of both versions. The agent endpoint and user workflows are
-refused here.
+has tokens of both versions. A workflow class awaits its generations through
+the loop too (``LoopedEngine.asynchronous``). An external agent's endpoint
+serves its calls through the same loop; as an agent's call records one version,
+a load then always waits for the calls in flight (``refuse``).
 
 The server returns trajectories without pixels (``Trajectory.slim``), as the
 colocated worker does: the driver holds the prompts' media.
@@ -40,7 +42,6 @@ import ray
 from transformers import AutoConfig
 
 from vlmrl.config import Config
-from vlmrl.config.kinds import ON_ROLLOUT_SERVERS
 from vlmrl.heap import started
 from vlmrl.models import family_of
 from vlmrl.plan import Plan
@@ -64,11 +65,6 @@ class RolloutServer:
 
     def __init__(self, config: Config, plan: Plan, rank: int = 0):
         kind = workflows.workflow_name(config.worker.rollout)
-        if kind not in ON_ROLLOUT_SERVERS:
-            raise ValueError(
-                f"RolloutServer serves {' and '.join(ON_ROLLOUT_SERVERS)} rollouts; worker.rollout.workflow={kind} "
-                "needs the colocated worker"
-            )
         if plan.tensor_parallel_size > 1:
             # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
             raise ValueError(
@@ -92,7 +88,9 @@ class RolloutServer:
         worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor, engine_for_kind=looped)
         self.engine, self.pad_ids, self.kind, self.loop = worker.engine, worker.pad_ids, worker.kind, loops[0]
         self.single_turn = kind == "single_turn"
-        """Single-turn calls submit their seeded requests here directly; multi-turn ones go to the kind."""
+        """Single-turn calls submit their seeded requests here directly; the other kinds' go to the kind."""
+        self.whole_calls = kind == "openai_agent"
+        """An agent's call records one version (``Call.version``): a weight load waits for the calls in flight."""
         self._calls = itertools.count()
         """Numbers each generate call; its request ids start with it, unique among the calls in flight."""
         self._load_lock = threading.Lock()
@@ -103,8 +101,9 @@ class RolloutServer:
 
     def generate(
         self, prompts: list[PromptSample], group_ids: list[int], sampling: Sampling
-    ) -> tuple[list[Trajectory], dict[str, float]]:
-        """n trajectories per prompt, in prompt order, without pixels; the seconds of the call's pieces.
+    ) -> tuple[list[Trajectory], dict[str, float], dict[str, float]]:
+        """n trajectories per prompt, in prompt order, without pixels (fewer or more where the kind's rows vary);
+        the seconds of the call's pieces; the kind's counts (``RolloutStats.counts``).
 
         Thread-safe. The requests are seeded by group id (``seeded_requests``),
         so a group samples the same tokens whichever other calls share the engine.
@@ -113,7 +112,7 @@ class RolloutServer:
             # The turn loop runs here, beside the engine: each turn is a request through the loop, so a weight
             # load lands between engine steps and the tokens of a turn it interrupted carry both versions.
             trajectories, stats = self.kind.rollout(prompts, group_ids, sampling)
-            return [t.slim() for t in trajectories], dict(stats.seconds)
+            return [t.slim() for t in trajectories], dict(stats.seconds), dict(stats.counts)
         t0 = time.perf_counter()
         call = next(self._calls)  # itertools.count's next is atomic under the GIL
         requests = [
@@ -137,7 +136,8 @@ class RolloutServer:
             for t in self._trajectories(prompt, group_id, output, sampling.temperature)
         ]
         # "engine": waiting for the outputs, which includes sharing steps with other calls and any weight load.
-        return trajectories, {"requests": t1 - t0, "engine": t2 - t1, "trajectories": time.perf_counter() - t2}
+        seconds = {"requests": t1 - t0, "engine": t2 - t1, "trajectories": time.perf_counter() - t2}
+        return trajectories, seconds, {}
 
     def _trajectories(
         self, prompt: PromptSample, group_id: int, output: EngineOutput, temperature: float
@@ -180,7 +180,7 @@ class RolloutServer:
         ``InterruptMode`` or its value ("continue", "reprefill", "refuse"). Returns the seconds spent
         fetching (or receiving) and loading.
         """
-        mode = InterruptMode(interrupt)
+        mode = InterruptMode.refuse if self.whole_calls else InterruptMode(interrupt)
         t0 = time.perf_counter()
         # Fetched (or received) here, on a call thread, so the engine keeps generating while the tensors arrive.
         if isinstance(weights, Broadcast):

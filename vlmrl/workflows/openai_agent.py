@@ -102,7 +102,11 @@ class OpenAIAgent(RolloutKind):
             body_timeout_s=opts.body_timeout,
             max_connections=opts.max_connections,
         )
-        self.endpoint = AgentEndpoint(engine, renderer, limits, host=opts.host, port=opts.port).start()
+        # On a rollout server the engine is reached through the server's loop (LoopedEngine): the endpoint
+        # submits to that loop, the one thread that steps the engine.
+        loop = getattr(engine, "loop", None)
+        raw = engine if loop is None else loop.engine
+        self.endpoint = AgentEndpoint(raw, renderer, limits, host=opts.host, port=opts.port, engine_loop=loop).start()
         print(f"agent endpoint: serving {self.endpoint.base_url} (each rollout has its own key)", flush=True)
         hooks = {k: v for k, v in vars(rollout.agent_hooks).items() if v}
         self.runner = AgentRunner(

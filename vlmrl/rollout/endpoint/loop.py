@@ -16,6 +16,7 @@ therefore never has a request in flight, so no output straddles two versions
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -244,6 +245,16 @@ class LoopedEngine:
     def version(self) -> int:
         return self.loop.engine.version
 
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Nothing: a server's engine stays awake between calls (the trainer does not share its memory)."""
+
+    def sleep(self) -> None:
+        """Nothing (see ``wake_up``)."""
+
+    def asynchronous(self) -> LoopedAsyncEngine:
+        """The view a workflow class's coroutines await (``vlmrl.rollout.workflow``), one per rollout call."""
+        return LoopedAsyncEngine(self.loop, f"wf{next(self._calls)}/")
+
     def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
         prefix = f"turns{next(self._calls)}/"  # itertools.count's next is atomic under the GIL
         renamed = [dataclasses.replace(r, request_id=prefix + r.request_id) for r in requests]
@@ -257,3 +268,26 @@ class LoopedEngine:
             self.loop.abort([r.request_id for r in renamed])
             raise
         return [dataclasses.replace(o, request_id=o.request_id[len(prefix) :]) for o in outputs]
+
+
+class LoopedAsyncEngine:
+    """``AsyncEngine``'s ``generate`` through an ``EngineLoop``: each request submitted to the loop and its future
+    awaited, request ids prefixed with the call's own prefix."""
+
+    def __init__(self, loop: EngineLoop, prefix: str):
+        self.loop, self.prefix = loop, prefix
+        self.seconds = 0.0
+        """Seconds awaiting the engine (the loop steps it for every caller; there is no share of one's own)."""
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        renamed = dataclasses.replace(request, request_id=self.prefix + request.request_id)
+        start = time.perf_counter()
+        future = self.loop.submit(renamed)
+        try:
+            output = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # a timed-out workflow: its request must not run on unread
+            self.loop.abort([renamed.request_id])
+            raise
+        finally:
+            self.seconds += time.perf_counter() - start
+        return dataclasses.replace(output, request_id=request.request_id)

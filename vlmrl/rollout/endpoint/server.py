@@ -129,10 +129,13 @@ class AgentEndpoint:
         model_name: str = "vlmrl",
         parse_tools: Callable[[str], ParsedTurn] = parse_qwen,
         render_threads: int = 4,
+        engine_loop: EngineLoop | None = None,
     ):
         """``port`` 0 takes a free one (see ``port`` after ``start``); ``parse_tools`` reads tool calls from a
         response's text when the request has tools (``vlmrl.rollout.turns.tool_parsers``); ``render_threads``: calls
-        rendered at once."""
+        rendered at once; ``engine_loop``: the loop that already owns ``engine`` (a rollout server's, shared with
+        its other calls), else ``start`` makes one."""
+        self._given_loop = engine_loop
         self.engine, self.renderer, self.limits = engine, renderer, limits
         self.render_threads = render_threads
         self.host, self.model_name, self.parse_tools = host, model_name, parse_tools
@@ -157,7 +160,7 @@ class AgentEndpoint:
         """Bind and serve; returns self (so ``with AgentEndpoint(...).start() as endpoint``)."""
         if self._engine_loop is not None:
             raise RuntimeError("the endpoint was started already")
-        self._engine_loop = EngineLoop(self.engine)
+        self._engine_loop = self._given_loop or EngineLoop(self.engine)
         self._render_pool = ThreadPoolExecutor(self.render_threads, thread_name_prefix="vlmrl-endpoint-render")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlmrl-endpoint-http", daemon=True)
