@@ -139,7 +139,7 @@ def test_multi_turn_rollouts_run_on_a_rollout_server_within_the_bound(multi_turn
     assert [m["step"] for m in multi_turn_served] == list(range(1, STEPS + 1))
     for m in multi_turn_served:
         # The turn loop ran on the server: tool calls were made and answered by a second turn.
-        assert m["agent/tool_calls/mean"] > 0.5 and m["agent/turns/max"] == 2, m["step"]
+        assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] == 2, m["step"]
         # Every trained token within the bound: the oldest token of a group (its first turn) decides.
         assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
         assert m["async/consumed"] == m["step"] * 4
