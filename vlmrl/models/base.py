@@ -83,6 +83,9 @@ class Family:
     no_conversations: str | None = None
     """Why the family's multi-turn conversations cannot be assembled token by token yet (validation then refuses
     every rollout kind but single_turn, with this reason); None: they can."""
+    engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    """(HF name, the actor's tensor) -> the tensor in the layout vLLM loads, applied to every weight the sync hands
+    the engine, where the two layouts differ (Qwen3-VL-MoE's fused experts); None: they are the same."""
 
     @property
     def vision(self) -> bool:

@@ -338,41 +338,28 @@ QWEN3_MIN_PIXELS = 32 * 32 * 4
 QWEN3_MAX_PIXELS = 32 * 32 * 64
 
 
-def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
-    """Qwen3-VL: 16-px patches, learned vision positions, deepstack features, interleaved mrope."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+def qwen3_vision_config() -> dict:
+    """Qwen3-VL's vision tower at toy size (shared by the dense and the MoE tiny model)."""
+    return {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 64,  # an 8x8 table, interpolated to each image's grid
+        "deepstack_visual_indexes": [0],
+        "initializer_range": INIT_STD,
+    }
 
-    tokenizer = build_qwen_tokenizer()
-    ids, vision_ids = _qwen_token_ids(tokenizer)
-    text_config = _tiny_text_config(tokenizer, ids, vision_ids, mrope_section=[8, 12, 12])
-    text_config["head_dim"] = 64
-    text_config["rope_parameters"]["mrope_interleaved"] = True
-    config = Qwen3VLConfig(
-        text_config=text_config,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": 128,
-            "num_position_embeddings": 64,  # an 8x8 table, interpolated to each image's grid
-            "deepstack_visual_indexes": [0],
-            "initializer_range": INIT_STD,
-        },
-        tie_word_embeddings=False,
-        dtype="float32",
-        **vision_ids,
-    )
-    processor = Qwen3VLProcessor(
+
+def qwen3_processor(tokenizer):
+    """Qwen3-VL's processor on the 32-px grid of the token budgets above."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(
             patch_size=16, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, image_mean=[0.5] * 3, image_std=[0.5] * 3
         ),
@@ -382,7 +369,32 @@ def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
         ),
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
-    _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, seed, ids, processor)
+
+
+def build_tiny_qwen3_vl(out_dir: Path, seed: int) -> None:
+    """Qwen3-VL: 16-px patches, learned vision positions, deepstack features, interleaved mrope."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = build_qwen_tokenizer()
+    ids, vision_ids = _qwen_token_ids(tokenizer)
+    text_config = _tiny_text_config(tokenizer, ids, vision_ids, mrope_section=[8, 12, 12])
+    text_config["head_dim"] = 64
+    text_config["rope_parameters"]["mrope_interleaved"] = True
+    config = Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=qwen3_vision_config(),
+        tie_word_embeddings=False,
+        dtype="float32",
+        **vision_ids,
+    )
+    _save_tiny(out_dir, Qwen3VLForConditionalGeneration, config, seed, ids, qwen3_processor(tokenizer))
+
+
+def build_tiny_qwen3_vl_moe(out_dir: Path, seed: int) -> None:
+    """Qwen3-VL-MoE (``vlmrl.testing.tiny_qwen3_vl_moe``): the dense tiny Qwen3-VL with sparse layers."""
+    from vlmrl.testing.tiny_qwen3_vl_moe import build_tiny_qwen3_vl_moe as build
+
+    build(out_dir, seed)
 
 
 def build_tiny_glm4v(out_dir: Path, seed: int) -> None:
@@ -396,6 +408,7 @@ FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": build_tiny_qwen2_5_vl,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
+    "qwen3_vl_moe": build_tiny_qwen3_vl_moe,
     "glm4v": build_tiny_glm4v,
 }
 

@@ -38,6 +38,7 @@ class RolloutWorker:
             # On GPU each worker sees only its own device, so its local rank is 0.
             os.environ["RANK"] = str(rank)
             os.environ["LOCAL_RANK"] = "0" if plan.device == "cuda" else str(rank % plan.workers_per_node)
+        family = family_at(config.worker.actor.model.model_path, config.worker.actor.model.trust_remote_code)
         self.engine = VLLMEngine(
             config.worker.actor.model.model_path,
             dtype=rollout_cfg.dtype.value,
@@ -56,8 +57,8 @@ class RolloutWorker:
             tokenizer_path=config.worker.actor.model.tokenizer_path,
             limit_images=rollout_cfg.limit_images,
             hf_overrides=config.worker.actor.model.override_config,
+            engine_weight=family.engine_weight,
         )
-        family = family_at(config.worker.actor.model.model_path, config.worker.actor.model.trust_remote_code)
         self.pad_ids = family.media_pad_ids(tokenizer)
         """The image and the video pad token (-1 for one the tokenizer lacks)."""
         engine = self.engine if engine_for_kind is None else engine_for_kind(self.engine)

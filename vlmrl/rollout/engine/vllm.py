@@ -75,7 +75,7 @@ import dataclasses
 import glob
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,8 +210,12 @@ class VLLMEngine(Engine):
         tokenizer_path: str | None = None,
         limit_images: int = 0,
         hf_overrides: dict | None = None,
+        engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     ):
+        """``engine_weight``: the model family's map from the actor's tensors to the layout vLLM loads
+        (``Family.engine_weight``), applied to every weight ``load_weights`` is given; None: the same layout."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.engine_weight = engine_weight
         from vllm import LLM
 
         on_cpu = not torch.cuda.is_available()
@@ -464,6 +468,13 @@ class VLLMEngine(Engine):
 
     # ------------------------------------------------------------- weights
 
+    def _reload(self, named_tensors: NamedTensors) -> None:
+        """vLLM's one-pass reload of ``named_tensors``, each in the engine's layout (``engine_weight``)."""
+        if self.engine_weight is not None:
+            to_engine = self.engine_weight
+            named_tensors = ((name, to_engine(name, tensor)) for name, tensor in named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+
     def _load(self, named_tensors: NamedTensors) -> None:
         """Replace the engine's weights and drop every cache computed with the old ones.
 
@@ -474,7 +485,7 @@ class VLLMEngine(Engine):
         tensors restored and warn about each layer it did not get.
         """
         self.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self._reload(named_tensors)
         self.wake_up(tags=["kv_cache"])
         # The encoder cache holds image embeddings from the old vision tower; a
         # stale entry also makes the next multimodal request fail.
@@ -496,7 +507,7 @@ class VLLMEngine(Engine):
             )
         self.interruptions += 1
         if interrupt is InterruptMode.continue_:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+            self._reload(named_tensors)
             self.llm.llm_engine.reset_encoder_cache()
             self.version = version
             self.llm.llm_engine.set_weight_version(str(version))

