@@ -180,7 +180,7 @@ def _hf_names(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _greedy(server, prompts) -> tuple[list[list[int]], list[list[float]]]:
     sampling = Sampling(n=1, temperature=0.0, max_tokens=24, ignore_eos=True, want_log_probs=True)
-    trajectories, *_ = ray.get(server.generate.remote(prompts, list(range(len(prompts))), sampling), timeout=120)
+    trajectories, _, _ = ray.get(server.generate.remote(prompts, list(range(len(prompts))), sampling), timeout=120)
     return [t.token_ids for t in trajectories], [list(t.log_probs[t.prompt_length :]) for t in trajectories]
 
 
