@@ -33,7 +33,7 @@ from vlmrl.algos import (
 from vlmrl.config import Config
 from vlmrl.plan import Plan
 from vlmrl.records import Batch
-from vlmrl.train import packing, shared_prompts
+from vlmrl.train import packing, shared_prompts, ulysses
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.micro_batches import MicroBatching, TokenCount, merged_mm_inputs
 from vlmrl.train.update_loop import rollout_shares, run_epochs
@@ -52,6 +52,7 @@ def forward_response(
     with_entropy: bool = True,
     share_prompts: bool = False,
     tokens: TokenCount | None = None,
+    sequence: ulysses.SequenceGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of the response tokens under ``model``.
 
@@ -67,7 +68,10 @@ def forward_response(
     (None), for passes that discard it (the reference's). ``share_prompts``
     (padded only): each distinct prompt through the model once
     (``vlmrl.train.shared_prompts``). ``tokens``, if given, counts the pass's
-    real and computed token positions.
+    real and computed token positions. ``sequence`` (padding-free only): the
+    Ulysses sequence-parallel group this rank runs the packed row with
+    (``vlmrl.train.ulysses``, the model ``ulysses.install``-ed); the values
+    come back whole on every rank of the group.
     """
     device = _device(model)
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
@@ -84,6 +88,15 @@ def forward_response(
         logits = shared_prompts.forward(model, inputs, batch.mm_inputs, shared, prompt_columns).float()  # (b, r, V)
         temperatures = batch.temperatures[:, None, None]  # (b, 1, 1)
         targets = layout.responses.to(device)  # (b, r)
+    elif padding_free and sequence is not None:
+        mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
+        inputs, shard = ulysses.split(inputs, layout.logit_index, sequence)
+        keep = shard.keep
+        with ulysses.sharded(model, shard):  # lm_head runs on this rank's share of the response logits
+            out = model(**inputs, use_cache=False, logits_to_keep=shard.local_logit_index.to(device), **mm)
+        temperatures = batch.temperatures[layout.rows[keep]][:, None]  # (K_r, 1)
+        logits = out.logits[0].float()  # (K_r, V)
+        targets = layout.targets[keep].to(device)  # (K_r,)
     elif padding_free:
         mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
         # lm_head runs only where a logit predicts a response token.
@@ -114,6 +127,9 @@ def forward_response(
         if with_entropy:  # an entropy term in the loss: its own log-softmax, with its gradient
             entropy = algos.entropy_from_logits(logits)
     shape = tuple(batch.responses.shape)
+    if padding_free and sequence is not None:  # each rank's response tokens, joined over the group
+        log_probs = ulysses.gather(log_probs, shard)
+        entropy = None if entropy is None else ulysses.gather(entropy, shard)
     if padding_free:
         log_probs = layout.unpack(log_probs, shape)
         entropy = None if entropy is None else layout.unpack(entropy, shape)
@@ -132,11 +148,12 @@ def compute_log_probs(
     allowed_tokens: torch.Tensor,
     tokens: TokenCount | None = None,
     with_entropy: bool = True,
+    sequence: ulysses.SequenceGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs, entropy)``, each ``(B, R)``, micro-batch by micro-batch, in the batch's row order.
 
     ``tokens``, if given, counts the real and computed tokens of the passes.
-    ``with_entropy=False``: no entropy (None).
+    ``with_entropy=False``: no entropy (None). ``sequence``: the Ulysses group (``forward_response``).
     """
     log_probs = torch.zeros(batch.responses.shape)
     entropy = torch.zeros(batch.responses.shape) if with_entropy else None
@@ -150,6 +167,7 @@ def compute_log_probs(
             with_entropy=with_entropy,
             share_prompts=batching.share_prompts,
             tokens=tokens,
+            sequence=sequence,
         )
         log_probs[rows] = lp.cpu()
         if entropy is not None:
@@ -288,6 +306,7 @@ def update_policy(
     settings: UpdateSettings,
     allowed_tokens: torch.Tensor,
     old_from_forward: bool = False,
+    sequence: ulysses.SequenceGroup | None = None,
 ) -> ActorUpdate:
     """Policy-loss epochs over ``batch`` in mini-batches with gradient accumulation.
 
@@ -322,6 +341,10 @@ def update_policy(
     counted first over the rows of every worker (``update_loop.rollout_shares``,
     a collective) and travels with the rows into every micro-batch, whose
     losses weigh their rows by it.
+
+    ``sequence`` (padding-free): the Ulysses group; its ranks hold the same
+    ``batch`` and run each micro-batch's packed row together
+    (``vlmrl.train.ulysses``).
     """
     batch.require("advantages")
     loglinear = settings.loglinear
@@ -363,6 +386,7 @@ def update_policy(
             padding_free=settings.padding_free,
             share_prompts=settings.share_prompts,
             tokens=tokens,
+            sequence=sequence,
         )
         nonlocal seen
         device = log_probs.device

@@ -1,0 +1,187 @@
+"""Ulysses sequence parallelism (``vlmrl.train.ulysses``) computes what one rank computes alone.
+
+One spawn of two gloo ranks forms one SP group of 2 (``ulysses_size=2``,
+data parallel degree 1): both ranks hold the same batch, each runs the
+decoder stack on half of every packed row, with the all-to-alls around the
+attention. The reference is this process running the same passes on the
+whole model, without SP. Compared, on the tiny Qwen2.5-VL in float32, on one
+batch holding a text row, an image row, a two-image row and a second text
+row with ragged responses, in micro-batches of two rows whose packed lengths
+are odd (so the row is padded to split):
+
+- the log-probs and entropy of ``compute_log_probs`` (the old and reference
+  log-prob passes);
+- one ``update_policy`` step with plain SGD at lr 1 (the weights move by
+  exactly minus the gradient, so a gradient off by a factor shows, as it
+  would not under Adam), with an entropy bonus so the entropy's gradient
+  also crosses the gather: the loss metrics, the gradient norm and the
+  weights after the step.
+
+Why the gradients must agree (``ulysses`` module docstring): the update loop
+scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
+both ranks' rows, ``2 w_total`` since the rows are the same, so by
+``w / w_total``, as alone. Each rank back-propagates through its own tokens
+(the gather's backward times 2), the two partial gradients sum to twice the
+whole gradient, and FSDP averages over the 2 ranks: the whole gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.media import png, write_parquet
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
+from vlmrl.config import FSDPConfig
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
+from vlmrl.records import Trajectory
+from vlmrl.records.views import to_batch
+from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.train import packing, ulysses
+from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.fsdp_options import Meshes, ShardOptions, shard
+from vlmrl.train.micro_batches import MicroBatching
+
+SP, RESPONSE = 2, 5
+SETTINGS = UpdateSettings(
+    samples_per_update=4,
+    micro_batch_size=2,
+    ppo_epochs=1,
+    loss_type=PolicyLossType.default,
+    loss_params=PolicyLossParams(
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_dual=3.0, loss_avg_mode=LossAvgMode.token_mean
+    ),
+    max_grad_norm=1e6,  # no clipping: the step is the gradient itself
+    entropy_coeff=0.01,
+    use_kl_loss=False,
+    kl_estimator=KLEstimator.low_var_kl,
+    kl_coef=0.0,
+    padding_free=True,
+)
+
+
+@pytest.fixture(scope="module")
+def batch_and_mask(tiny_assets, tmp_path_factory):
+    """Text, image, two-image and text rows, responses of 5, 3, 4 and 2 tokens, old log-probs near the model's."""
+    tmp = tmp_path_factory.mktemp("ulysses")
+    rows = [
+        {"problem": "Plain text, a question.", "answer": "a", "images": None},
+        {"problem": "What colour is <image>?", "answer": "b", "images": [png(56, 56)]},
+        {"problem": "Compare <image> and <image>.", "answer": "c", "images": [png(56, 56), png(84, 56, (0, 90, 200))]},
+        {"problem": "Text only, and a little longer than the first.", "answer": "d", "images": None},
+    ]
+    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
+    dataset = RLHFDataset(
+        write_parquet(tmp / "rows.parquet", rows), processor, prompt_key="problem", answer_key="answer",
+        image_key="images", image_dir=None, max_prompt_length=256, min_pixels=3136, max_pixels=12544,
+    )  # fmt: skip
+    model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
+    allowed = sampling_mask(processor.tokenizer, model.config.get_text_config().vocab_size, QWEN_MARKERS)
+    allowed_ids = allowed.nonzero().flatten()
+    gen = torch.Generator().manual_seed(0)
+    responses = [allowed_ids[torch.randint(len(allowed_ids), (n,), generator=gen)].tolist() for n in (5, 3, 4, 2)]
+    trajectories = [Trajectory.single_turn(dataset[i], i, 0, r, "", 1.0) for i, r in enumerate(responses)]
+    batch = to_batch(trajectories, max_prompt_length=256, max_response_length=RESPONSE, pad_token_id=0)
+    log_probs, _ = compute_log_probs(model, batch, MicroBatching(4, padding_free=True), allowed)
+    batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
+    batch.advantages = torch.randn(len(batch), 1, generator=gen).expand(-1, RESPONSE) * batch.response_mask
+    return batch, allowed
+
+
+def _passes(model: torch.nn.Module, batch, allowed, sequence) -> dict:
+    """The log-prob pass, then one SGD step of the policy update; what each gave."""
+    log_probs, entropy = compute_log_probs(
+        model, batch, MicroBatching(2, padding_free=True), allowed, sequence=sequence
+    )
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    before = _full(model)
+    metrics = update_policy(model, optimizer, batch, SETTINGS, allowed, sequence=sequence).metrics
+    step = {n: w - before[n] for n, w in _full(model).items()}
+    return {"log_probs": log_probs, "entropy": entropy, "metrics": metrics, "step": step}
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    ulysses.check_heads(model, SP, "worker.actor.ulysses_size")
+    ulysses.install(model)
+    fsdp = FSDPConfig()
+    mesh = Meshes("cpu", SP).of(fsdp)
+    model = shard(model, list(model._no_split_modules), mesh, ShardOptions.from_config(fsdp, "cpu"))
+    group = ulysses.SequenceGroup.of_world(SP)
+    results[rank] = {"group": (group.size, group.rank), **_passes(model, batch, allowed, group)}
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, batch_and_mask, tmp_path_factory):
+    """``{"alone": ..., 0: ..., 1: ...}``: this process without SP, and the two ranks of the SP group."""
+    import torch.multiprocessing as mp
+
+    batch, allowed = batch_and_mask
+    alone = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
+    out = {"alone": _passes(alone, batch, allowed, None)}
+    tmp = tmp_path_factory.mktemp("ulysses_ranks")
+    quiet = not dist.is_initialized() and threading.active_count() == 1
+    with mp.Manager() as manager:
+        results = manager.dict()
+        args = (str(tmp / "init"), str(tiny_assets.model_dir), batch, allowed, results)
+        mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
+        out |= dict(results)
+    return out
+
+
+def test_the_batch_covers_text_image_and_two_image_rows_and_odd_packed_lengths(batch_and_mask):
+    batch, _ = batch_and_mask
+    images = [len(mm.get("image_grid_thw", [])) for mm in batch.mm_inputs]
+    assert images == [0, 1, 2, 0]
+    for rows in MicroBatching(2, padding_free=True).groups(batch):
+        # Every micro-batch's packed row has an odd length: it is padded by one token to split over 2 ranks.
+        assert packing.pack(batch.select(rows)).input_ids.shape[1] % SP == 1
+
+
+def test_sequence_parallel_log_probs_and_entropy_match_one_rank(runs):
+    alone = runs["alone"]
+    for rank in range(SP):
+        assert runs[rank]["group"] == (SP, rank)
+        torch.testing.assert_close(runs[rank]["log_probs"], alone["log_probs"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runs[rank]["entropy"], alone["entropy"], atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_parallel_update_makes_the_same_step_as_one_rank(runs):
+    alone = runs["alone"]
+    for rank in range(SP):
+        metrics = runs[rank]["metrics"]
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert metrics[key] == pytest.approx(alone["metrics"][key], rel=1e-4, abs=1e-6), key
+        assert metrics["actor/micro_batches"] == alone["metrics"]["actor/micro_batches"] == 2
+    assert alone["metrics"]["actor/grad_norm"] > 0
+    moved = 0
+    for name, step in alone["step"].items():
+        moved += bool(step.abs().max() > 0)
+        for rank in range(SP):
+            torch.testing.assert_close(
+                runs[rank]["step"][name], step, atol=2e-6, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
+            )
+    assert moved > 0
+
+
+def test_heads_that_do_not_split_are_refused_naming_the_key(tiny_assets):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
+    heads = model.get_decoder().config.num_attention_heads  # 2 in the tiny model
+    ulysses.check_heads(model, heads, "worker.actor.ulysses_size")
+    with pytest.raises(ValueError, match=r"worker.actor.ulysses_size=3: the model has 2 attention heads"):
+        ulysses.check_heads(model, 3, "worker.actor.ulysses_size")
