@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -33,6 +32,10 @@ def grid_size(height: int, width: int, factor: int, min_pixels: int, max_pixels:
     then cut back. The result is a fixed point of smart_resize, so vLLM's
     processor and the actor's see the same grid.
     """
+    # Imported here: the module pulls in torchvision, seconds that validating a config (which reads this
+    # family's tokens) should not pay.
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
     h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     if h * w > max_pixels:
         if h <= w:
