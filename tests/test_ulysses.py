@@ -185,3 +185,23 @@ def test_heads_that_do_not_split_are_refused_naming_the_key(tiny_assets):
     ulysses.check_heads(model, heads, "worker.actor.ulysses_size")
     with pytest.raises(ValueError, match=r"worker.actor.ulysses_size=3: the model has 2 attention heads"):
         ulysses.check_heads(model, 3, "worker.actor.ulysses_size")
+
+
+def test_the_workers_of_a_group_share_a_shard_and_their_results_come_back_once(batch_and_mask):
+    from types import SimpleNamespace
+
+    from vlmrl.workers.group import WorkerGroup
+
+    batch, _ = batch_and_mask
+    group = WorkerGroup.__new__(WorkerGroup)  # the split alone: no workers started
+    group.world_size = 4
+    group.config = SimpleNamespace(worker=SimpleNamespace(actor=SimpleNamespace(ulysses_size=SP)))
+    parts = group._parts(batch)  # 2 shards of 2 rows, each given to the 2 workers of its group
+    assert len(parts) == 4 and parts[0] == parts[1] and parts[2] == parts[3]
+    assert sorted(parts[0] + parts[2]) == list(range(len(batch))) and len(parts[0]) == 2
+    results = [batch.response_mask[p].float() * 10 + r // SP for r, p in enumerate(parts)]  # a group's copies agree
+    shard_of_row = {i: r // SP for r, p in enumerate(parts) for i in p}
+    expected = batch.response_mask.float() * 10 + torch.tensor([shard_of_row[i] for i in range(len(batch))])[:, None]
+    assert torch.equal(WorkerGroup.gather(results, parts), expected)
+    metrics = group.balance_metrics(batch)  # per shard: 2 shards, not 4 workers
+    assert metrics["global_seqlen/balanced_max"] <= metrics["global_seqlen/max"]

@@ -400,7 +400,9 @@ class ActorConfig:
     """vlmrl addition: with dynamic_batching, the real tokens of one log-prob micro-batch; null:
     micro_batch_size_per_device_for_experience x (max_prompt_length + max_response_length)."""
     ulysses_size: int = 1
-    """Ulysses sequence-parallel degree; 1 disables it."""
+    """Ulysses sequence-parallel degree of the actor's, the reference's and the teacher's padding-free passes:
+    groups of this many consecutive workers share their rows and split each packed row between them (attention
+    heads split by an all-to-all); needs padding_free=true and a divisor of the workers; 1 disables it."""
     use_torch_compile: bool = False
     """torch.compile the model (EasyR1's default is true); vlmrl runs eagerly."""
     tau_positive: float = 1.0
@@ -459,7 +461,7 @@ class CriticConfig:
     dynamic_batching: bool = False
     """Form micro-batches under a token budget of micro_batch_size x (max_prompt_length + max_response_length)."""
     ulysses_size: int = 1
-    """Ulysses sequence-parallel degree of the critic; 1 disables it."""
+    """Ulysses sequence-parallel degree of the critic; values above 1 are refused (not supported yet)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

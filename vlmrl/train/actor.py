@@ -237,7 +237,7 @@ class UpdateSettings:
         """``training_steps`` (the run's length, known once the data is loaded) gives the learning-rate schedule."""
         actor, algo = config.worker.actor, config.algorithm
         return cls(
-            samples_per_update=plan.samples_per_update // plan.world_size,
+            samples_per_update=plan.samples_per_update // ulysses.data_shards(plan.world_size, actor.ulysses_size),
             micro_batch_size=actor.micro_batch_size_per_device_for_update,
             ppo_epochs=actor.ppo_epochs,
             loss_type=actor.loss_type,

@@ -27,7 +27,7 @@ from vlmrl.plan import Plan
 from vlmrl.records import Batch
 from vlmrl import algos
 from vlmrl.algos import LossAvgMode
-from vlmrl.train import packing
+from vlmrl.train import packing, ulysses
 from vlmrl.train.lr_schedule import LRSchedule
 from vlmrl.train.image_features import share_image_features
 from vlmrl.train.lora import add_lora
@@ -123,8 +123,10 @@ class CriticSettings:
     @classmethod
     def from_config(cls, config: Config, plan: Plan, training_steps: int | None = None) -> CriticSettings:
         critic = config.worker.critic
+        shards = ulysses.data_shards(plan.world_size, config.worker.actor.ulysses_size)
         return cls(
-            samples_per_update=critic.global_batch_size * config.worker.rollout.n // plan.world_size,
+            # The workers of an actor's Ulysses group hold the same rows (vlmrl.workers.group), the critic's too.
+            samples_per_update=critic.global_batch_size * config.worker.rollout.n // shards,
             micro_batch_size=critic.micro_batch_size_per_device_for_update,
             ppo_epochs=critic.ppo_epochs,
             cliprange_value=critic.cliprange_value,

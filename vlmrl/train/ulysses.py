@@ -54,6 +54,11 @@ ATTENTION = "vlmrl_ulysses"
 """The attention implementation the decoder stack of a sequence-parallel model is set to."""
 
 
+def data_shards(world_size: int, ulysses_size: int) -> int:
+    """Distinct shards of the batch: the workers of a Ulysses group (``ulysses_size`` consecutive ranks) share one."""
+    return world_size // ulysses_size
+
+
 @dataclass(frozen=True)
 class SequenceGroup:
     """The SP group this rank belongs to: ``size`` ranks that share micro-batches, this one at ``rank``."""

@@ -320,14 +320,14 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
          "set worker.reward.skip_special_tokens=true"),
     ]  # fmt: skip
     # The fsdp.* options (hybrid sharding included) and LoRA on the actor and the critic are implemented
-    # (vlmrl/train/fsdp_options.py, vlmrl/train/lora.py).
-    trained = [("worker.actor", actor)]
+    # (vlmrl/train/fsdp_options.py, vlmrl/train/lora.py), and the actor's Ulysses sequence parallelism
+    # (vlmrl/train/ulysses.py); the critic's passes have none.
+    critic = config.worker.critic
     if uses_critic(config):
-        trained.append(("worker.critic", config.worker.critic))
-    for section, cfg in trained:
         todo += [
-            (cfg.ulysses_size > 1, f"{section}.ulysses_size={cfg.ulysses_size} (sequence parallelism)",
-             f"set {section}.ulysses_size=1"),
+            (critic.ulysses_size > 1, f"worker.critic.ulysses_size={critic.ulysses_size} (sequence parallelism)",
+             "set worker.critic.ulysses_size=1 (the critic runs on its Ulysses group's rows whole; "
+             "worker.actor.ulysses_size splits the actor's)"),
         ]  # fmt: skip
     return [
         f"{what}: not supported by vlmrl yet; {fix}"

@@ -292,16 +292,26 @@ class WorkerGroup:
         return self.call(method, [args] * self.world_size)
 
     def _parts(self, batch: Batch) -> list[list[int]]:
-        """Each worker's sample indices: equal counts, token sums balanced (one worker: all, in order)."""
-        if self.world_size == 1:
-            return [list(range(len(batch)))]
-        lengths = batch.attention_mask.sum(dim=1).tolist()
-        return balanced_partition(lengths, self.world_size, equal_size=True)
+        """Each worker's sample indices: equal counts, token sums balanced (one shard: all, in order).
+
+        The workers of a Ulysses group (``worker.actor.ulysses_size`` consecutive ranks, ``vlmrl.train.ulysses``)
+        get the same shard: they run its sequences together.
+        """
+        sp = self.config.worker.actor.ulysses_size
+        shards = self.world_size // sp
+        if shards == 1:
+            parts = [list(range(len(batch)))]
+        else:
+            lengths = batch.attention_mask.sum(dim=1).tolist()
+            parts = balanced_partition(lengths, shards, equal_size=True)
+        return [part for part in parts for _ in range(sp)]
 
     def balance_metrics(self, batch: Batch) -> dict[str, float]:
-        """``global_seqlen/*``: tokens per worker with contiguous shares (before) and balanced shares."""
+        """``global_seqlen/*``: tokens per data shard with contiguous shares (before) and balanced shares."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        return seqlen_balance_metrics(lengths, _chunks(list(range(len(batch))), self.world_size), self._parts(batch))
+        sp = self.config.worker.actor.ulysses_size
+        shards = self.world_size // sp
+        return seqlen_balance_metrics(lengths, _chunks(list(range(len(batch))), shards), self._parts(batch)[::sp])
 
     def scatter(self, batch: Batch, *fields: str) -> tuple[list[PassInput], list[list[int]]]:
         """Each worker's ``PassInput`` for ``batch``: its rows by id, the ones it does not hold in full, and the
@@ -332,10 +342,12 @@ class WorkerGroup:
 
     @staticmethod
     def gather(results: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
-        """Per-worker results back into the batch's row order."""
+        """Per-worker results back into the batch's row order (a row held by a Ulysses group: its workers' equal
+        results, any one of them)."""
         order = torch.tensor([i for part in parts for i in part])
-        out = torch.empty_like(torch.cat(results))
-        out[order] = torch.cat(results)
+        values = torch.cat(results)
+        out = values.new_empty((int(order.max()) + 1, *values.shape[1:]))
+        out[order] = values
         return out
 
     # ----------------------------------------------------------------- rollout

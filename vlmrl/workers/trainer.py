@@ -29,6 +29,7 @@ from vlmrl.train import actor as actor_passes
 from vlmrl.train import checkpoint as ckpt
 from vlmrl.train import critic as critic_passes
 from vlmrl.train import lora as lora_adapters
+from vlmrl.train import ulysses
 from vlmrl.train.critic import ValueModel
 from vlmrl.train.fsdp_options import Meshes, ShardOptions, offloaders, shard, uses, with_host_collectives
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
@@ -152,6 +153,15 @@ class TrainerWorker:
                 teacher_path, _dtype(plan.ref_dtype), meshes.of(config.worker.ref.fsdp), trust, ref_sharding
             )
             self.teacher.eval().requires_grad_(False)
+        self.sequence = None
+        """worker.actor.ulysses_size > 1: this worker's Ulysses group (``vlmrl.train.ulysses``), which the actor's,
+        the reference's and the teacher's padding-free passes run over; its workers hold the same rows."""
+        if actor_cfg.ulysses_size > 1:
+            self.sequence = ulysses.SequenceGroup.of_world(actor_cfg.ulysses_size)  # a collective
+            for model in (self.actor, self.ref, self.teacher):
+                if model is not None:
+                    ulysses.check_heads(model, actor_cfg.ulysses_size, "worker.actor.ulysses_size")
+                    ulysses.install(model)
         self.critic = self.critic_optimizer = self.critic_lora = None
         if plan.use_critic:
             critic_cfg = config.worker.critic
@@ -235,7 +245,7 @@ class TrainerWorker:
         self.actor.eval()
         return actor_passes.compute_log_probs(
             self.actor, self.store.batch(request), self.experience_batching, self.allowed_tokens,
-            self.experience_tokens,
+            self.experience_tokens, sequence=self.sequence,
         )  # fmt: skip
 
     @uses("ref")
@@ -246,7 +256,7 @@ class TrainerWorker:
         with self.reference.context():
             log_probs, _ = actor_passes.compute_log_probs(
                 self.reference.model, self.store.batch(request), self.experience_batching, self.allowed_tokens,
-                self.experience_tokens, with_entropy=False,
+                self.experience_tokens, with_entropy=False, sequence=self.sequence,
             )  # fmt: skip
         return log_probs
 
@@ -257,7 +267,7 @@ class TrainerWorker:
             raise RuntimeError("teacher log-probs requested but the run has no teacher (algorithm.distillation)")
         log_probs, _ = actor_passes.compute_log_probs(
             self.teacher, self.store.batch(request), self.experience_batching, self.teacher_tokens,
-            self.experience_tokens, with_entropy=False,
+            self.experience_tokens, with_entropy=False, sequence=self.sequence,
         )  # fmt: skip
         return log_probs
 
@@ -269,7 +279,8 @@ class TrainerWorker:
     ) -> actor_passes.ActorUpdate:
         lr = self._scheduled_lr("actor", self.optimizer, settings.lr_schedule)
         update = actor_passes.update_policy(
-            self.actor, self.optimizer, self.store.batch(request), settings, self.allowed_tokens, old_from_forward
+            self.actor, self.optimizer, self.store.batch(request), settings, self.allowed_tokens, old_from_forward,
+            sequence=self.sequence,
         )
         metrics = update.metrics
         metrics["actor/lr"] = lr  # the rate this step's updates ran at (EasyR1 logs the same for the actor)
