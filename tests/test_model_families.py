@@ -13,12 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from vlmrl.models import FAMILIES, UnsupportedFamily, family, family_at
 from vlmrl.models.qwen_vision import SPECIAL_TOKENS
-from vlmrl.testing import tiny_text, tiny_vlm
+from vlmrl.testing import tiny_qwen3_5, tiny_text, tiny_vlm
 from vlmrl.testing.assets import ensure_text_assets
 
 VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 TEXT = ["qwen2", "qwen3"]
-OTHER = ["glm4v", "qwen3_vl_moe"]  # tested in their own modules: tests/test_family_<model_type>.py
+OTHER = ["glm4v", "qwen3_vl_moe", "qwen3_5"]  # tested in their own modules: tests/test_family_<model_type>.py
 
 
 def test_the_registry_lists_every_family_by_its_model_type():
@@ -36,7 +36,7 @@ def test_an_unknown_model_type_is_refused_naming_it_and_the_families():
 
 def test_each_family_has_a_tiny_builder():
     # Adding a family is its adapter, one registry line and a tiny builder: the tests build it on CPU.
-    assert set(FAMILIES) == set(tiny_vlm.FAMILIES) | set(tiny_text.TEXT_FAMILIES)
+    assert set(FAMILIES) == set(tiny_vlm.FAMILIES) | set(tiny_text.TEXT_FAMILIES) | set(tiny_qwen3_5.BUILDERS)
 
 
 @pytest.mark.parametrize("model_type", VISION)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmrl.models import glm4v, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen_text
+from vlmrl.models import glm4v, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, qwen_text
 from vlmrl.models.base import Family, MediaSizes, RotaryPositions
 
 __all__ = [
@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
         qwen2_vl.QWEN2_5_VL,
         qwen3_vl.QWEN3_VL,
         qwen3_vl_moe.QWEN3_VL_MOE,
+        qwen3_5.QWEN3_5,
         glm4v.GLM4V,
         qwen_text.QWEN2,
         qwen_text.QWEN3,

@@ -86,6 +86,18 @@ class Family:
     engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     """(HF name, the actor's tensor) -> the tensor in the layout vLLM loads, applied to every weight the sync hands
     the engine, where the two layouts differ (Qwen3-VL-MoE's fused experts); None: they are the same."""
+    prepare: Callable[[torch.nn.Module], None] | None = None
+    """Applied to every model of the family the trainer loads (``vlmrl.train.models.load_pretrained``), before it is
+    wrapped: what transformers' code of the family needs for vlmrl's passes (Qwen3.5: packed sequences kept apart
+    in its linear-attention layers); None: nothing."""
+    cpu_engine_bfloat16: str | None = None
+    """Why vLLM on CPU runs the family in bfloat16 only (validation then refuses any other worker.rollout.dtype on
+    a CPU run, with this reason); None: any dtype."""
+    recurrent_layers: bool = False
+    """Some decoder layers carry a recurrent state along the sequence instead of keys and values (Qwen3.5's linear
+    attention): vLLM caches the prefixes of such a model only with chunked prefill, which CPU engines run without
+    (the engine then runs without a prefix cache), and the shared-prompt forward, which hands each row its prompt's
+    keys and values, cannot run it (validation refuses worker.actor.share_prompts)."""
 
     @property
     def vision(self) -> bool:

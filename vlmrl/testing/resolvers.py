@@ -29,7 +29,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from vlmrl.config import ConfigError
-from vlmrl.testing import agent_assets, assets, distill_assets, family_assets, judge_assets
+from vlmrl.testing import agent_assets, assets, distill_assets, family_assets, judge_assets, tiny_qwen3_5
 
 __all__ = ["TinyResolver", "build_missing", "register_resolvers", "tiny_asset"]
 
@@ -86,6 +86,11 @@ GROUPS = {
         "", family_assets.names(), "the tiny random models of the other families (seconds)",
         lambda cache: cache / f"family-assets-{family_assets.family_version()}", family_assets.family_layout,
         family_assets.ensure_family_assets,
+    ),
+    "qwen3_5": AssetGroup(
+        "", tiny_qwen3_5.names(), "the tiny random Qwen3.5 (seconds)",
+        lambda cache: cache / f"qwen3_5-assets-{tiny_qwen3_5.qwen3_5_version()}", tiny_qwen3_5.qwen3_5_layout,
+        tiny_qwen3_5.ensure_qwen3_5_assets,
     ),
     "judge": AssetGroup(
         "", _fields(judge_assets.JudgeAssets), "the tiny judge and score models (minutes)",

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.config import ModelKind
+from vlmrl.models import FAMILIES
 from vlmrl.plan import model_kind
 
 __all__ = ["apply_overrides", "auto_class", "load_pretrained", "load_processor", "named_processor_class", "tokenizer_of"]
@@ -40,9 +41,13 @@ def load_pretrained(
     kind = model_kind(model_path, trust_remote_code)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     apply_overrides(config, override_config or {})
-    return auto_class(kind).from_pretrained(
+    model = auto_class(kind).from_pretrained(
         model_path, config=config, dtype=dtype, trust_remote_code=trust_remote_code
     )
+    family = FAMILIES.get(getattr(config, "model_type", ""))
+    if family is not None and family.prepare is not None:
+        family.prepare(model)  # what the family's transformers code needs for vlmrl's passes (vlmrl.models.base)
+    return model
 
 
 def apply_overrides(config, overrides: dict) -> None:

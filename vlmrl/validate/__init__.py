@@ -82,7 +82,7 @@ def validate(config: Config, cluster: Cluster | None = None, pending: tuple[str,
     return [
         *path_problems(config, pending),
         *model_problems(config),
-        *family_problems(config),
+        *family_problems(config, cluster),
         *range_problems(config),
         *batch_problems(config),
         *schedule_problems(config),

@@ -1,5 +1,6 @@
-"""The model's family must have an adapter (``vlmrl.models``): checked from config.json alone, before Ray starts
-or any weight loads. Hub ids are left to the workers, which pick the family from the Hub's config the same way."""
+"""The model's family must have an adapter (``vlmrl.models``), and the run must use it only as its adapter allows:
+checked from config.json alone, before Ray starts or any weight loads. Hub ids are left to the workers, which pick
+the family from the Hub's config the same way."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 from vlmrl.config import Config
 from vlmrl.config.kinds import workflow_name
 from vlmrl.models import UnsupportedFamily, family_of
-from vlmrl.plan import uses_critic
+from vlmrl.plan import Cluster, device, uses_critic
 
 
-def family_problems(config: Config) -> list[str]:
+def family_problems(config: Config, cluster: Cluster) -> list[str]:
     """One problem per local model (the actor's, and the critic's when it has its own) whose ``model_type`` no
-    family adapter covers, naming the key, the model_type and the supported families."""
+    family adapter covers, naming the key, the model_type and the supported families; and one per setting the
+    actor's family refuses (``Family.no_conversations``, ``cpu_engine_bfloat16``, ``recurrent_layers``), naming
+    the family's reason and the fix."""
     models = [("worker.actor.model.model_path", config.worker.actor.model.model_path)]
     if uses_critic(config) and config.worker.critic.model.model_path:
         models.append(("worker.critic.model.model_path", config.worker.critic.model.model_path))
@@ -38,4 +41,24 @@ def family_problems(config: Config) -> list[str]:
                 f"{key}={path} ({found.name}) with worker.rollout.workflow={kind}: vlmrl cannot train {found.name} "
                 f"on multi-turn rollouts yet ({found.no_conversations}); use worker.rollout.workflow=single_turn"
             )
+        if key == "worker.actor.model.model_path":
+            problems.extend(_actor_family_problems(config, cluster, path, found))
+    return problems
+
+
+def _actor_family_problems(config: Config, cluster: Cluster, path: str, found) -> list[str]:
+    """What the actor's family refuses of this run's settings."""
+    problems = []
+    dtype = config.worker.rollout.dtype.value
+    if found.cpu_engine_bfloat16 and device(config, cluster) == "cpu" and dtype != "bfloat16":
+        problems.append(
+            f"worker.rollout.dtype={dtype} with worker.actor.model.model_path={path} ({found.name}) on CPU: "
+            f"{found.cpu_engine_bfloat16}; use worker.rollout.dtype=bfloat16"
+        )
+    if found.recurrent_layers and config.worker.actor.share_prompts:
+        problems.append(
+            f"worker.actor.share_prompts=true with worker.actor.model.model_path={path} ({found.name}): the shared-"
+            "prompt forward hands each row its prompt's cached keys and values, and this family's linear-attention "
+            "layers cache a recurrent state instead; use worker.actor.share_prompts=false"
+        )
     return problems

@@ -58,6 +58,7 @@ class RolloutWorker:
             limit_images=rollout_cfg.limit_images,
             hf_overrides=config.worker.actor.model.override_config,
             engine_weight=family.engine_weight,
+            recurrent_layers=family.recurrent_layers,
         )
         self.pad_ids = family.media_pad_ids(tokenizer)
         """The image and the video pad token (-1 for one the tokenizer lacks)."""

