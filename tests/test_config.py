@@ -977,7 +977,10 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
         (
             [*GAE, "worker.critic.ulysses_size=2", "worker.critic.padding_free=true", "trainer.n_gpus_per_node=2"],
             CPU,
-            [f"worker.critic.ulysses_size=2 (sequence parallelism): {TODO}; set worker.critic.ulysses_size=1"],
+            [
+                "worker.critic.ulysses_size=2 with worker.actor.ulysses_size=1: the workers of a Ulysses group share "
+                "their rows"
+            ],
         ),
         (
             [

@@ -15,7 +15,9 @@ are odd (so the row is padded to split):
   exactly minus the gradient, so a gradient off by a factor shows, as it
   would not under Adam), with an entropy bonus so the entropy's gradient
   also crosses the gather: the loss metrics, the gradient norm and the
-  weights after the step.
+  weights after the step;
+- the critic's values and one ``update_critic`` SGD step (its value head
+  random, so the backbone's gradients are not zero).
 
 Why the gradients must agree (``ulysses`` module docstring): the update loop
 scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
@@ -44,6 +46,7 @@ from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine.sampling import sampling_mask
 from vlmrl.train import packing, ulysses
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
+from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.fsdp_options import Meshes, ShardOptions, shard
 from vlmrl.train.micro_batches import MicroBatching
 
@@ -63,6 +66,10 @@ SETTINGS = UpdateSettings(
     kl_coef=0.0,
     padding_free=True,
 )
+CRITIC = CriticSettings(
+    samples_per_update=4, micro_batch_size=2, ppo_epochs=1, cliprange_value=0.5,
+    loss_avg_mode=LossAvgMode.token_mean, max_grad_norm=1e6, norm_len=RESPONSE, padding_free=True,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +97,27 @@ def batch_and_mask(tiny_assets, tmp_path_factory):
     log_probs, _ = compute_log_probs(model, batch, MicroBatching(4, padding_free=True), allowed)
     batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen)
     batch.advantages = torch.randn(len(batch), 1, generator=gen).expand(-1, RESPONSE) * batch.response_mask
+    batch.values = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
+    batch.returns = batch.values + torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
     return batch, allowed
+
+
+def _critic(model_dir: str) -> ValueModel:
+    """The critic with a random value head (the same in every process), so the backbone gets gradients too."""
+    critic = ValueModel.from_pretrained(model_dir, torch.float32, False)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        critic.value_head.weight.copy_(torch.randn(critic.value_head.weight.shape, generator=gen))
+    return critic
+
+
+def _critic_passes(critic: ValueModel, batch, sequence) -> dict:
+    """The value pass, then one SGD step of the critic update; what each gave."""
+    values = compute_values(critic, batch, MicroBatching(2, padding_free=True), sequence)
+    optimizer = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=1.0)
+    before = _full(critic)
+    metrics = update_critic(critic, optimizer, batch, CRITIC, sequence)
+    return {"values": values, "metrics": metrics, "step": {n: w - before[n] for n, w in _full(critic).items()}}
 
 
 def _passes(model: torch.nn.Module, batch, allowed, sequence) -> dict:
@@ -121,7 +148,12 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, results) ->
     mesh = Meshes("cpu", SP).of(fsdp)
     model = shard(model, list(model._no_split_modules), mesh, ShardOptions.from_config(fsdp, "cpu"))
     group = ulysses.SequenceGroup.of_world(SP)
-    results[rank] = {"group": (group.size, group.rank), **_passes(model, batch, allowed, group)}
+    out = {"group": (group.size, group.rank), **_passes(model, batch, allowed, group)}
+    critic = _critic(model_dir)
+    ulysses.install(critic.backbone)
+    critic = shard(critic, critic.no_split_modules, mesh, ShardOptions.from_config(fsdp, "cpu"))
+    out["critic"] = _critic_passes(critic, batch, group)
+    results[rank] = out
     dist.barrier()
     dist.destroy_process_group()
 
@@ -132,13 +164,14 @@ def runs(tiny_assets, batch_and_mask, tmp_path_factory):
     import torch.multiprocessing as mp
 
     batch, allowed = batch_and_mask
-    alone = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
-    out = {"alone": _passes(alone, batch, allowed, None)}
+    model_dir = str(tiny_assets.model_dir)
+    alone = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    out = {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
     tmp = tmp_path_factory.mktemp("ulysses_ranks")
     quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
-        args = (str(tmp / "init"), str(tiny_assets.model_dir), batch, allowed, results)
+        args = (str(tmp / "init"), model_dir, batch, allowed, results)
         mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
         out |= dict(results)
     return out
@@ -177,6 +210,22 @@ def test_sequence_parallel_update_makes_the_same_step_as_one_rank(runs):
                 runs[rank]["step"][name], step, atol=2e-6, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
             )
     assert moved > 0
+
+
+def test_sequence_parallel_critic_gives_the_same_values_and_step_as_one_rank(runs):
+    alone = runs["critic"]
+    assert alone["metrics"]["critic/grad_norm"] > 0
+    names = sorted(alone["step"])
+    whole = torch.cat([alone["step"][n].flatten() for n in names])
+    for rank in range(SP):
+        mine = runs[rank]["critic"]
+        torch.testing.assert_close(mine["values"], alone["values"], atol=1e-5, rtol=1e-5)
+        for key in ("critic/vf_loss", "critic/grad_norm"):
+            assert mine["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-4, abs=1e-6), key
+        # A random value head makes values of order 10 and the gradient large, so the float noise of a weight's
+        # step is up to about 1e-5: compared as one vector (a wrong gather factor would double the step).
+        step = torch.cat([mine["step"][n].flatten() for n in names])
+        assert float((step - whole).norm()) < 1e-5 * float(whole.norm()), rank
 
 
 def test_heads_that_do_not_split_are_refused_naming_the_key(tiny_assets):

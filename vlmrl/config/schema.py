@@ -461,7 +461,8 @@ class CriticConfig:
     dynamic_batching: bool = False
     """Form micro-batches under a token budget of micro_batch_size x (max_prompt_length + max_response_length)."""
     ulysses_size: int = 1
-    """Ulysses sequence-parallel degree of the critic; values above 1 are refused (not supported yet)."""
+    """Ulysses sequence-parallel degree of the critic's padding-free passes: 1, or worker.actor.ulysses_size (the
+    critic then splits each packed row over the actor's groups, whose workers hold the same rows)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -72,13 +72,25 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) -> torch.Tensor:
+def forward_values(
+    model: ValueModel, batch: Batch, padding_free: bool = False, sequence: ulysses.SequenceGroup | None = None
+) -> torch.Tensor:
     """``(b, R)``: for each response token, the value of the state just before it (0 on response padding
-    past every row's end, or on all response padding when ``padding_free``)."""
+    past every row's end, or on all response padding when ``padding_free``).
+
+    ``sequence`` (padding-free only): the Ulysses group the packed row is split over (``vlmrl.train.ulysses``,
+    the backbone ``ulysses.install``-ed); the values come back whole on every rank of the group.
+    """
     device = next(model.parameters()).device
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     shape = tuple(batch.responses.shape)
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
+    if padding_free and sequence is not None:
+        inputs, shard = ulysses.split(inputs, layout.logit_index, sequence)
+        with ulysses.sharded(model.backbone, shard):
+            values = model(**inputs, use_cache=False, **mm)  # (1, T / sp) this rank's slice
+        mine = values[0, shard.local_logit_index.to(device)]  # the states before this slice's response tokens
+        return layout.unpack(ulysses.gather(mine, shard), shape)
     values = model(**inputs, use_cache=False, **mm)  # (1, T) packed, (b, S) trimmed
     if padding_free:
         # The position before a response token is the state in which it is chosen: the actor's logit index.
@@ -89,12 +101,14 @@ def forward_values(model: ValueModel, batch: Batch, padding_free: bool = False) 
 
 
 @torch.no_grad()
-def compute_values(model: ValueModel, batch: Batch, batching: MicroBatching) -> torch.Tensor:
-    """``(B, R)`` values, micro-batch by micro-batch, in the batch's row order."""
+def compute_values(
+    model: ValueModel, batch: Batch, batching: MicroBatching, sequence: ulysses.SequenceGroup | None = None
+) -> torch.Tensor:
+    """``(B, R)`` values, micro-batch by micro-batch, in the batch's row order; ``sequence``: the Ulysses group."""
     model.eval()
     values = torch.zeros(batch.responses.shape)
     for rows in batching.groups(batch):
-        values[rows] = forward_values(model, batch.select(rows), batching.padding_free).cpu()
+        values[rows] = forward_values(model, batch.select(rows), batching.padding_free, sequence).cpu()
     return values
 
 
@@ -140,14 +154,21 @@ class CriticSettings:
 
 
 def update_critic(
-    model: ValueModel, optimizer: torch.optim.Optimizer, batch: Batch, settings: CriticSettings
+    model: ValueModel,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    settings: CriticSettings,
+    sequence: ulysses.SequenceGroup | None = None,
 ) -> dict[str, float]:
-    """Clipped value-loss epochs towards ``batch.returns``, in the loop the actor's update uses."""
+    """Clipped value-loss epochs towards ``batch.returns``, in the loop the actor's update uses.
+
+    ``sequence`` (padding-free): the Ulysses group; its ranks hold the same ``batch`` (``vlmrl.train.ulysses``).
+    """
     batch.require("values", "returns")
     mode = settings.loss_avg_mode
 
     def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-        values = forward_values(model, mb, settings.padding_free)
+        values = forward_values(model, mb, settings.padding_free, sequence)
         device = values.device
         mask = mb.response_mask.to(device)
         loss, metrics = algos.value_loss_clipped(

@@ -280,6 +280,13 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
                     f"{section}.ulysses_size={cfg.ulysses_size} does not divide the {world_size(config)} worker(s); "
                     "pick a divisor of trainer.n_gpus_per_node x trainer.nnodes"
                 )
+    critic = config.worker.critic
+    if uses_critic(config) and critic.ulysses_size > 1 and critic.ulysses_size != actor.ulysses_size:
+        problems.append(
+            f"worker.critic.ulysses_size={critic.ulysses_size} with worker.actor.ulysses_size={actor.ulysses_size}: "
+            "the workers of a Ulysses group share their rows, and the actor's groups deal the rows to the workers; "
+            f"set worker.critic.ulysses_size to 1 or to worker.actor.ulysses_size={actor.ulysses_size}"
+        )
     return problems
 
 
@@ -319,16 +326,8 @@ def not_supported_yet(config: Config, cluster: Cluster) -> list[str]:
         (not config.worker.reward.skip_special_tokens, "worker.reward.skip_special_tokens=false",
          "set worker.reward.skip_special_tokens=true"),
     ]  # fmt: skip
-    # The fsdp.* options (hybrid sharding included) and LoRA on the actor and the critic are implemented
-    # (vlmrl/train/fsdp_options.py, vlmrl/train/lora.py), and the actor's Ulysses sequence parallelism
-    # (vlmrl/train/ulysses.py); the critic's passes have none.
-    critic = config.worker.critic
-    if uses_critic(config):
-        todo += [
-            (critic.ulysses_size > 1, f"worker.critic.ulysses_size={critic.ulysses_size} (sequence parallelism)",
-             "set worker.critic.ulysses_size=1 (the critic runs on its Ulysses group's rows whole; "
-             "worker.actor.ulysses_size splits the actor's)"),
-        ]  # fmt: skip
+    # The fsdp.* options (hybrid sharding included), LoRA and Ulysses sequence parallelism on the actor and the
+    # critic are implemented (vlmrl/train/fsdp_options.py, vlmrl/train/lora.py, vlmrl/train/ulysses.py).
     return [
         f"{what}: not supported by vlmrl yet; {fix}"
         for applies, what, fix in todo

@@ -162,7 +162,7 @@ class TrainerWorker:
                 if model is not None:
                     ulysses.check_heads(model, actor_cfg.ulysses_size, "worker.actor.ulysses_size")
                     ulysses.install(model)
-        self.critic = self.critic_optimizer = self.critic_lora = None
+        self.critic = self.critic_optimizer = self.critic_lora = self.critic_sequence = None
         if plan.use_critic:
             critic_cfg = config.worker.critic
             self.critic_lora = critic_cfg.model.lora if critic_cfg.model.lora.rank > 0 else None
@@ -172,6 +172,10 @@ class TrainerWorker:
             )
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
             critic_mesh = meshes.of(critic_cfg.fsdp)
+            if critic_cfg.ulysses_size > 1:  # validated equal to the actor's: the group's rows are the same
+                ulysses.check_heads(value_model.backbone, critic_cfg.ulysses_size, "worker.critic.ulysses_size")
+                ulysses.install(value_model.backbone)
+                self.critic_sequence = self.sequence
             self.critic = shard(value_model, value_model.no_split_modules, critic_mesh, critic_sharding)
             self.critic_optimizer = adamw(self.critic, critic_cfg.optim)
         # offload.*: what stays in host memory between the passes that use it (no-ops on CPU). Under LoRA
@@ -316,14 +320,16 @@ class TrainerWorker:
             self.plan.critic_experience_token_budget,
             critic.padding_free,
         )
-        return critic_passes.compute_values(self.critic, self.store.batch(request), batching)
+        return critic_passes.compute_values(self.critic, self.store.batch(request), batching, self.critic_sequence)
 
     @uses("critic", "critic_optimizer")
     def update_critic(self, request: PassInput, settings: critic_passes.CriticSettings) -> dict[str, float]:
         if self.critic is None:
             raise RuntimeError("critic update requested but the run has no critic (only adv_estimator=gae trains one)")
         lr = self._scheduled_lr("critic", self.critic_optimizer, settings.lr_schedule)
-        metrics = critic_passes.update_critic(self.critic, self.critic_optimizer, self.store.batch(request), settings)
+        metrics = critic_passes.update_critic(
+            self.critic, self.critic_optimizer, self.store.batch(request), settings, self.critic_sequence
+        )
         metrics["critic/lr"] = lr  # the rate this step's updates ran at (EasyR1 logs the next step's)
         return metrics
 
