@@ -142,7 +142,7 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, results) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    ulysses.check_heads(model, SP, "worker.actor.ulysses_size")
+    ulysses.check_model(model, SP, "worker.actor.ulysses_size")
     ulysses.install(model)
     fsdp = FSDPConfig()
     mesh = Meshes("cpu", SP).of(fsdp)
@@ -228,12 +228,15 @@ def test_sequence_parallel_critic_gives_the_same_values_and_step_as_one_rank(run
         assert float((step - whole).norm()) < 1e-5 * float(whole.norm()), rank
 
 
-def test_heads_that_do_not_split_are_refused_naming_the_key(tiny_assets):
+def test_models_the_attention_cannot_split_are_refused_naming_the_key(tiny_assets):
     model = AutoModelForImageTextToText.from_pretrained(tiny_assets.model_dir, dtype=torch.float32)
-    heads = model.get_decoder().config.num_attention_heads  # 2 in the tiny model
-    ulysses.check_heads(model, heads, "worker.actor.ulysses_size")
+    config = model.get_decoder().config
+    ulysses.check_model(model, config.num_attention_heads, "worker.actor.ulysses_size")  # 2 heads split 2 ways
     with pytest.raises(ValueError, match=r"worker.actor.ulysses_size=3: the model has 2 attention heads"):
-        ulysses.check_heads(model, 3, "worker.actor.ulysses_size")
+        ulysses.check_model(model, 3, "worker.actor.ulysses_size")
+    config.layer_types = ["linear_attention", "full_attention"]  # a hybrid decoder such as Qwen3.5's
+    with pytest.raises(ValueError, match=r"ulysses_size=2: the model's decoder has linear_attention layers"):
+        ulysses.check_model(model, 2, "worker.actor.ulysses_size")
 
 
 def test_the_workers_of_a_group_share_a_shard_and_their_results_come_back_once(batch_and_mask):

@@ -37,9 +37,10 @@ over all ``dp x sp`` ranks, and the loss scaling of
 holding it); the gather's backward multiplies by ``sp``, which makes the
 averaged gradient that of the ``dp`` distinct shards.
 
-Models: decoder stacks whose attention calls transformers' attention
-interface with ``(module, query, key, value, mask, **kwargs)`` in the
-``(batch, heads, tokens, head_dim)`` layout (Qwen2/2.5-VL, Qwen2/3 text).
+Models: decoder stacks of full-attention layers that call transformers'
+attention interface with ``(module, query, key, value, mask, **kwargs)`` in
+the ``(batch, heads, tokens, head_dim)`` layout (tested: Qwen2.5-VL;
+``check_model`` refuses linear-attention and sliding-window layers).
 """
 
 from __future__ import annotations
@@ -148,12 +149,21 @@ def install(model: torch.nn.Module) -> None:
     model.get_decoder().config._attn_implementation = ATTENTION
 
 
-def check_heads(model: torch.nn.Module, size: int, key: str) -> None:
-    """Refuse, naming ``key``, a model whose attention head count ``size`` does not divide.
+def check_model(model: torch.nn.Module, size: int, key: str) -> None:
+    """Refuse, naming ``key``, a model whose decoder the Ulysses attention cannot split ``size`` ways.
 
-    Key/value heads need not divide: the attention repeats them to one per query head where they do not.
+    Every decoder layer must be full attention (a linear-attention or sliding-window layer would run on its
+    slice alone), and ``size`` must divide the attention heads. Key/value heads need not divide: the attention
+    repeats them to one per query head where they do not.
     """
-    heads = model.get_decoder().config.num_attention_heads
+    config = model.get_decoder().config
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise ValueError(
+            f"{key}={size}: the model's decoder has {', '.join(other)} layers, and Ulysses sequence parallelism "
+            f"splits full attention only; set {key}=1 for this model"
+        )
+    heads = config.num_attention_heads
     if heads % size:
         raise ValueError(
             f"{key}={size}: the model has {heads} attention heads, and Ulysses sequence parallelism splits them "

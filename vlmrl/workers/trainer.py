@@ -160,7 +160,7 @@ class TrainerWorker:
             self.sequence = ulysses.SequenceGroup.of_world(actor_cfg.ulysses_size)  # a collective
             for model in (self.actor, self.ref, self.teacher):
                 if model is not None:
-                    ulysses.check_heads(model, actor_cfg.ulysses_size, "worker.actor.ulysses_size")
+                    ulysses.check_model(model, actor_cfg.ulysses_size, "worker.actor.ulysses_size")
                     ulysses.install(model)
         self.critic = self.critic_optimizer = self.critic_lora = self.critic_sequence = None
         if plan.use_critic:
@@ -173,7 +173,7 @@ class TrainerWorker:
             critic_sharding = ShardOptions.from_config(critic_cfg.fsdp, device)
             critic_mesh = meshes.of(critic_cfg.fsdp)
             if critic_cfg.ulysses_size > 1:  # validated equal to the actor's: the group's rows are the same
-                ulysses.check_heads(value_model.backbone, critic_cfg.ulysses_size, "worker.critic.ulysses_size")
+                ulysses.check_model(value_model.backbone, critic_cfg.ulysses_size, "worker.critic.ulysses_size")
                 ulysses.install(value_model.backbone)
                 self.critic_sequence = self.sequence
             self.critic = shard(value_model, value_model.no_split_modules, critic_mesh, critic_sharding)
