@@ -17,7 +17,9 @@ are odd (so the row is padded to split):
   also crosses the gather: the loss metrics, the gradient norm and the
   weights after the step;
 - the critic's values and one ``update_critic`` SGD step (its value head
-  random, so the backbone's gradients are not zero).
+  random, so the backbone's gradients are not zero);
+- Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
+  features go to the rank holding their tokens).
 
 Why the gradients must agree (``ulysses`` module docstring): the update loop
 scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
@@ -35,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.media import png, write_parquet
+from helpers.tiny_families import family_prompts
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
@@ -102,6 +105,21 @@ def batch_and_mask(tiny_assets, tmp_path_factory):
     return batch, allowed
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl(tiny_assets, tmp_path_factory):
+    """Qwen3-VL's tiny model (its deepstack adds image features inside the first decoder layers) and a batch of
+    its two image prompts with responses of 3 and 4 tokens."""
+    path, prompts, allowed = family_prompts("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl"), tiny_assets.train_file)
+    allowed_ids = allowed.nonzero().flatten()
+    gen = torch.Generator().manual_seed(2)
+    rows = [
+        Trajectory.single_turn(p, g, 0, allowed_ids[torch.randint(len(allowed_ids), (n,), generator=gen)].tolist(),
+                               "", 1.0)
+        for g, (p, n) in enumerate(zip(prompts, (3, 4)))
+    ]  # fmt: skip
+    return str(path), to_batch(rows, max_prompt_length=2048, max_response_length=4, pad_token_id=0), allowed
+
+
 def _critic(model_dir: str) -> ValueModel:
     """The critic with a random value head (the same in every process), so the backbone gets gradients too."""
     critic = ValueModel.from_pretrained(model_dir, torch.float32, False)
@@ -138,7 +156,7 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, results) -> None:
+def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -153,13 +171,19 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, results) ->
     ulysses.install(critic.backbone)
     critic = shard(critic, critic.no_split_modules, mesh, ShardOptions.from_config(fsdp, "cpu"))
     out["critic"] = _critic_passes(critic, batch, group)
+    path, family_batch, family_allowed = qwen3_vl  # log-probs only, on the unsharded model
+    family_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    ulysses.install(family_model)
+    out["qwen3_vl"] = compute_log_probs(
+        family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed, sequence=group
+    )
     results[rank] = out
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_assets, batch_and_mask, tmp_path_factory):
+def runs(tiny_assets, batch_and_mask, qwen3_vl, tmp_path_factory):
     """``{"alone": ..., 0: ..., 1: ...}``: this process without SP, and the two ranks of the SP group."""
     import torch.multiprocessing as mp
 
@@ -167,11 +191,14 @@ def runs(tiny_assets, batch_and_mask, tmp_path_factory):
     model_dir = str(tiny_assets.model_dir)
     alone = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     out = {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
+    path, family_batch, family_allowed = qwen3_vl
+    family_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    out["qwen3_vl"] = compute_log_probs(family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed)
     tmp = tmp_path_factory.mktemp("ulysses_ranks")
     quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
-        args = (str(tmp / "init"), model_dir, batch, allowed, results)
+        args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, results)
         mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
         out |= dict(results)
     return out
@@ -210,6 +237,15 @@ def test_sequence_parallel_update_makes_the_same_step_as_one_rank(runs):
                 runs[rank]["step"][name], step, atol=2e-6, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
             )
     assert moved > 0
+
+
+def test_sequence_parallel_splits_qwen3_vl_deepstack_features_with_their_tokens(runs, qwen3_vl):
+    _, batch, _ = qwen3_vl
+    assert all("image_grid_thw" in mm for mm in batch.mm_inputs)  # an image in each half of the packed row
+    log_probs, entropy = runs["qwen3_vl"]
+    for rank in range(SP):
+        torch.testing.assert_close(runs[rank]["qwen3_vl"][0], log_probs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runs[rank]["qwen3_vl"][1], entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_sequence_parallel_critic_gives_the_same_values_and_step_as_one_rank(runs):
