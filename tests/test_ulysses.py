@@ -16,6 +16,7 @@ are odd (so the row is padded to split):
   would not under Adam), with an entropy bonus so the entropy's gradient
   also crosses the gather: the loss metrics, the gradient norm and the
   weights after the step;
+- that each rank's vision tower encodes its share of the images;
 - the critic's values and one ``update_critic`` SGD step (its value head
   random, so the backbone's gradients are not zero);
 - Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
@@ -139,7 +140,12 @@ def _critic_passes(critic: ValueModel, batch, sequence) -> dict:
 
 
 def _passes(model: torch.nn.Module, batch, allowed, sequence) -> dict:
-    """The log-prob pass, then one SGD step of the policy update; what each gave."""
+    """The log-prob pass, then one SGD step of the policy update; what each gave, and the images the vision
+    tower encoded in each of its calls."""
+    images: list[int] = []
+    model.model.visual.register_forward_hook(
+        lambda _module, _args, kwargs, _out: images.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
     log_probs, entropy = compute_log_probs(
         model, batch, MicroBatching(2, padding_free=True), allowed, sequence=sequence
     )
@@ -147,7 +153,7 @@ def _passes(model: torch.nn.Module, batch, allowed, sequence) -> dict:
     before = _full(model)
     metrics = update_policy(model, optimizer, batch, SETTINGS, allowed, sequence=sequence).metrics
     step = {n: w - before[n] for n, w in _full(model).items()}
-    return {"log_probs": log_probs, "entropy": entropy, "metrics": metrics, "step": step}
+    return {"log_probs": log_probs, "entropy": entropy, "metrics": metrics, "step": step, "images": images}
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -219,6 +225,15 @@ def test_sequence_parallel_log_probs_and_entropy_match_one_rank(runs):
         assert runs[rank]["group"] == (SP, rank)
         torch.testing.assert_close(runs[rank]["log_probs"], alone["log_probs"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(runs[rank]["entropy"], alone["entropy"], atol=1e-5, rtol=1e-5)
+
+
+def test_each_rank_of_a_group_encodes_its_share_of_the_images(runs):
+    # Two passes (log-probs, update) over two micro-batches: one holds the one-image row, the other the
+    # two-image row. Alone the tower encodes 1 and 2 images per pass; in the group each rank encodes one image
+    # of the two-image micro-batch, and the lone image (fewer images than ranks) on both ranks.
+    assert sorted(runs["alone"]["images"]) == [1, 1, 2, 2]
+    for rank in range(SP):
+        assert runs[rank]["images"] == [1, 1, 1, 1], rank
 
 
 def test_sequence_parallel_update_makes_the_same_step_as_one_rank(runs):

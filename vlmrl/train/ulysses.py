@@ -20,9 +20,15 @@ two all-to-alls. transformers builds no mask for a name it has no mask
 function for; the function builds its own from the whole row's sequence
 boundaries. A forward pre-hook on the decoder stack (``model.get_decoder()``)
 cuts its input embeddings and position ids to the rank's slice, after the
-model has embedded the tokens and merged the image features into them: every
-rank of a group encodes all images of the micro-batch (the vision tower is
-replicated, not sharded), then keeps its slice.
+model has embedded the tokens and merged the image features into them.
+
+Images: with at least as many images in the micro-batch as ranks, each rank
+runs the vision tower on a contiguous run of them and the features of all
+are gathered over the group (an all-gather; the backward sums each image's
+gradients on the rank that encoded it), so every rank merges the whole
+row's features and keeps its slice. With fewer images than ranks every rank
+encodes them all. (Routing each image's features to the ranks holding its
+tokens only would move less; the all-gather moves every image's.)
 
 Each rank's ``lm_head`` runs only on the logit positions inside its slice;
 ``gather`` joins the per-token values (log-probs, entropy) of the group in
@@ -179,12 +185,59 @@ def sharded(model: torch.nn.Module, shard: Shard):
     if decoder.config._attn_implementation != ATTENTION:
         raise RuntimeError("the model's decoder does not run the Ulysses attention; call ulysses.install(model) first")
     handle = decoder.register_forward_pre_hook(_slice_inputs(shard), with_kwargs=True)
+    # The modules whose forward encodes images (they hold the tower): each rank encodes a share of the images.
+    # An instance attribute over the class's method, or over share_image_features' one, put back after.
+    encoders = []
+    if shard.group.size > 1:
+        encoders = [m for m in model.modules() if "visual" in m._modules and hasattr(m, "get_image_features")]
+    previous = [m.__dict__.get("get_image_features") for m in encoders]
+    for module in encoders:
+        module.get_image_features = _image_share(module.get_image_features, module.visual, shard.group)
     _active = shard
     try:
         yield
     finally:
         _active = None
         handle.remove()
+        for module, method in zip(encoders, previous):
+            del module.get_image_features
+            if method is not None:
+                module.get_image_features = method
+
+
+def _image_share(inner, tower: torch.nn.Module, group: SequenceGroup):
+    """``get_image_features`` that encodes this rank's share of the images and gathers every image's features.
+
+    The images are cut into ``group.size`` contiguous runs, one per rank, so each rank runs the tower once on
+    a share (the FSDP-sharded tower is then called once on every rank). With fewer images than ranks, every
+    rank encodes them all, as without the share. The gather's backward sums the ranks' gradients of each
+    image's features on the rank that encoded it (``_GatherRows``).
+    """
+
+    def encode(pixel_values, image_grid_thw=None, **kwargs):
+        n = 0 if image_grid_thw is None else len(image_grid_thw)
+        if n < group.size or not kwargs.get("return_dict"):
+            return inner(pixel_values, image_grid_thw, **kwargs)
+        patches = image_grid_thw.prod(-1).tolist()
+        tokens = [p // tower.spatial_merge_size**2 for p in patches]
+        owner = [i * group.size // n for i in range(n)]  # contiguous runs, each rank at least one image
+        mine = [i for i in range(n) if owner[i] == group.rank]
+        first, last = sum(patches[: mine[0]]), sum(patches[: mine[-1] + 1])
+        out = inner(pixel_values[first:last], image_grid_thw[mine[0] : mine[-1] + 1], **kwargs)
+        deepstack = getattr(out, "deepstack_features", None)
+        layers = [out.pooler_output, *(deepstack or [])]  # each a tuple of per-image features
+        local = torch.cat([torch.cat(list(layer), dim=0) for layer in layers], dim=-1)  # (my tokens, H x layers)
+        counts = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(group.size)]
+        whole = _GatherRows.apply(local, group, counts).split([x[0].shape[-1] for x in layers], dim=-1)
+        per_image = [layer.split(tokens) for layer in whole]
+        out.pooler_output = per_image[0]
+        if deepstack is not None:
+            out.deepstack_features = per_image[1:]
+        if hasattr(out, "last_hidden_state"):  # the patch states of this rank's images only; no forward reads them
+            out.last_hidden_state = None
+        return out
+
+    return encode
 
 
 def _slice_inputs(shard: Shard):
@@ -292,6 +345,26 @@ class _Gather(torch.autograd.Function):
         start = sum(ctx.counts[: ctx.rank])
         # Every rank of the group computed the same loss; see the module docstring for the factor.
         return grad[start : start + ctx.counts[ctx.rank]] * ctx.size, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """(n_r, D) rows of each rank joined in rank order on every rank; the backward sums the ranks' gradients of
+    this rank's rows (each rank used the whole, for its own share of the loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: SequenceGroup, counts: list[int]) -> torch.Tensor:
+        ctx.rank, ctx.group, ctx.counts = group.rank, group.group, counts
+        padded = torch.nn.functional.pad(x, (0, 0, 0, max(counts) - x.shape[0])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(group.size)]
+        dist.all_gather(parts, padded, group=group.group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: not autograd's own tensor
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start : start + ctx.counts[ctx.rank]], None, None
 
 
 def gather(values: torch.Tensor, shard: Shard) -> torch.Tensor:
