@@ -18,7 +18,7 @@ from vlmrl.testing.assets import ensure_text_assets
 
 VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 TEXT = ["qwen2", "qwen3"]
-OTHER = ["glm4v", "qwen3_vl_moe", "qwen3_5"]  # tested in their own modules: tests/test_family_<model_type>.py
+OTHER = ["glm4v", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]  # tested in their own modules: tests/test_family_<model_type>.py
 
 
 def test_the_registry_lists_every_family_by_its_model_type():

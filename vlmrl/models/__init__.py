@@ -7,8 +7,8 @@ and validation choose the family once, from the model's ``config.json``, and
 ask it; none of them branches on a model type.
 
 Adding a family: write its adapter module here (a ``Family``), add one line to
-``FAMILIES``, and a tiny builder in ``vlmrl.testing`` (``tiny_vlm.FAMILIES`` or
-``tiny_text.TEXT_FAMILIES``) so that the tests run it on CPU.
+``FAMILIES``, and a tiny builder in ``vlmrl.testing`` (``tiny_vlm.FAMILIES``,
+``tiny_text.TEXT_FAMILIES`` or ``tiny_qwen3_5.BUILDERS``) so that the tests run it on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlmrl.models import glm4v, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe, qwen_text
+from vlmrl.models import glm4v, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe, qwen_text
 from vlmrl.models.base import Family, MediaSizes, RotaryPositions
 
 __all__ = [
@@ -32,6 +32,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_vl.QWEN3_VL,
         qwen3_vl_moe.QWEN3_VL_MOE,
         qwen3_5.QWEN3_5,
+        qwen3_5_moe.QWEN3_5_MOE,
         glm4v.GLM4V,
         qwen_text.QWEN2,
         qwen_text.QWEN3,

