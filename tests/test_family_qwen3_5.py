@@ -30,6 +30,8 @@ from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
 from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
 from vlmrl.testing.tiny_vlm import QWEN3_MAX_PIXELS, QWEN3_MIN_PIXELS
 from vlmrl.train.actor import forward_response
+from vlmrl.train.image_features import distinct_images, share_image_features
+from vlmrl.train.micro_batches import merged_mm_inputs
 from vlmrl.train.models import load_pretrained
 from vlmrl.validate import load_config
 
@@ -144,6 +146,27 @@ def test_without_the_familys_prepare_the_linear_attention_runs_across_packed_seq
         padded, _ = forward_response(raw, hand_batch, allowed, with_entropy=False)
         packed, _ = forward_response(raw, hand_batch, allowed, padding_free=True, with_entropy=False)
     assert (packed - padded)[mask].abs().max() > 1e-2
+
+
+def test_each_distinct_image_goes_through_the_tower_once_with_the_same_log_probs(model_dir, actor, samples, processor,
+                                                                               allowed):  # fmt: skip
+    # The trainer wraps every model's get_image_features (vlmrl.train.image_features); Qwen3.5's returns one tensor
+    # per image, as Qwen3-VL's does. Two rows of the two-image prompt and one of the one-image prompt: five images,
+    # three distinct.
+    shared = load_pretrained(str(model_dir), torch.float32, trust_remote_code=False).eval()
+    assert share_image_features(shared) == 1
+    generator = torch.Generator().manual_seed(2)
+    rows = [samples[0], samples[0], samples[1]]
+    responses = [Response(s, i, torch.randint(0, 890, (4,), generator=generator).tolist()) for i, s in enumerate(rows)]
+    pad = processor.tokenizer.pad_token_id
+    batch = batch_of(responses, max_prompt_length=256, max_response_length=4, pad_token_id=pad)
+    mm = merged_mm_inputs(batch)
+    assert distinct_images(mm["pixel_values"], mm["image_grid_thw"]) == ([0, 1, 4], [0, 1, 0, 1, 2])
+    with torch.no_grad():
+        for padding_free in (False, True):
+            theirs, _ = forward_response(actor, batch, allowed, padding_free=padding_free, with_entropy=False)
+            ours, _ = forward_response(shared, batch, allowed, padding_free=padding_free, with_entropy=False)
+            assert torch.equal(ours, theirs)
 
 
 def test_validation_refuses_a_float32_engine_on_cpu_and_shared_prompts_naming_the_cause(model_dir):
