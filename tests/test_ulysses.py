@@ -171,6 +171,8 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, r
     fsdp = FSDPConfig()
     mesh = Meshes("cpu", SP).of(fsdp)
     model = shard(model, list(model._no_split_modules), mesh, ShardOptions.from_config(fsdp, "cpu"))
+    # As the worker does with enable_gradient_checkpointing: the layers run again in the backward (alone does not).
+    model.gradient_checkpointing_enable()
     group = ulysses.SequenceGroup.of_world(SP)
     out = {"group": (group.size, group.rank), **_passes(model, batch, allowed, group)}
     critic = _critic(model_dir)

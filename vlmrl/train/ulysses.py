@@ -144,7 +144,7 @@ def split(inputs: dict, logit_index: torch.Tensor, group: SequenceGroup) -> tupl
 
 
 _active: Shard | None = None
-"""The shard of the forward in progress (``sharded``); the attention function reads it."""
+"""The shard of the last ``sharded`` forward; the attention function reads it (in a checkpointed backward too)."""
 
 
 def install(model: torch.nn.Module) -> None:
@@ -193,11 +193,10 @@ def sharded(model: torch.nn.Module, shard: Shard):
     previous = [m.__dict__.get("get_image_features") for m in encoders]
     for module in encoders:
         module.get_image_features = _image_share(module.get_image_features, module.visual, shard.group)
-    _active = shard
+    _active = shard  # left set after the forward: gradient checkpointing runs the layers again in the backward
     try:
         yield
     finally:
-        _active = None
         handle.remove()
         for module, method in zip(encoders, previous):
             del module.get_image_features
@@ -310,7 +309,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     that do not split over the group are repeated to one per query head before the exchange.
     """
     shard = _active
-    if shard is None:
+    if shard is None or shard.length != query.shape[2] * shard.group.size:
         raise RuntimeError("the Ulysses attention ran outside ulysses.sharded(...): the model was set up for it")
     group = shard.group
     heads, kv_heads = query.shape[1], key.shape[1]
