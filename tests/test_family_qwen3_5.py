@@ -22,6 +22,7 @@ from helpers.media import png, write_parquet
 from helpers.trajectories import Response, batch_of
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from vlmrl.config.schema import LoraConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.models import family, family_at
 from vlmrl.models.qwen3_5 import packed_lengths
@@ -31,6 +32,7 @@ from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
 from vlmrl.testing.tiny_vlm import QWEN3_MAX_PIXELS, QWEN3_MIN_PIXELS
 from vlmrl.train.actor import forward_response
 from vlmrl.train.image_features import distinct_images, share_image_features
+from vlmrl.train.lora import add_lora
 from vlmrl.train.micro_batches import merged_mm_inputs
 from vlmrl.train.models import load_pretrained
 from vlmrl.validate import load_config
@@ -135,6 +137,25 @@ def test_packed_log_probs_and_gradients_equal_the_padded_ones(actor, hand_batch,
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
     for name in padded_grads:
         torch.testing.assert_close(packed_grads[name], padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_lora_adapts_both_layer_kinds_but_not_the_tower_and_packed_still_equals_padded(model_dir, hand_batch, allowed):
+    model = load_pretrained(str(model_dir), torch.float32, trust_remote_code=False)
+    add_lora(model, LoraConfig(rank=4, alpha=8))  # all-linear, less the family's exclusion (the tower)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert not any(".visual." in n for n in trained)
+    assert any(".linear_attn.in_proj_qkv.lora_A" in n for n in trained)
+    assert any(".self_attn.q_proj.lora_A" in n for n in trained)
+    with torch.no_grad():  # peft starts B at zero; a non-zero one makes the adapters count
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    model.eval()
+    mask = hand_batch.response_mask.bool()
+    with torch.no_grad():
+        padded, _ = forward_response(model, hand_batch, allowed, with_entropy=False)
+        packed, _ = forward_response(model, hand_batch, allowed, padding_free=True, with_entropy=False)
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
 
 
 def test_without_the_familys_prepare_the_linear_attention_runs_across_packed_sequences(model_dir, hand_batch, allowed):
