@@ -33,6 +33,7 @@ whole gradient, and FSDP averages over the 2 ranks: the whole gradient.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,3 +311,21 @@ def test_the_workers_of_a_group_share_a_shard_and_their_results_come_back_once(b
     assert torch.equal(WorkerGroup.gather(results, parts), expected)
     metrics = group.balance_metrics(batch)  # per shard: 2 shards, not 4 workers
     assert metrics["global_seqlen/balanced_max"] <= metrics["global_seqlen/max"]
+
+
+def test_a_ulysses_group_counts_as_one_share_of_the_update(quickstart_assets, monkeypatch):
+    from helpers.configs import CPU, QUICKSTART, problems_of
+
+    from vlmrl.validate import load_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    # 2 x 2 samples per update: 2 per worker, but 4 per Ulysses group of the 2 workers (a micro-batch of 4 fits).
+    base = [
+        QUICKSTART, "trainer.n_gpus_per_node=2", "worker.actor.padding_free=true", "data.rollout_batch_size=2",
+        "worker.actor.global_batch_size=2", "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=4",
+    ]  # fmt: skip
+    assert load_config([*base, "worker.actor.ulysses_size=2"], CPU).worker.actor.ulysses_size == 2  # no problem
+    assert problems_of(*base, cluster=CPU) == [
+        "worker.actor.micro_batch_size_per_device_for_update=4 does not divide the 2 samples each worker gets per "
+        "update (global_batch_size x n / workers); pick a divisor of 2"
+    ]

@@ -284,11 +284,14 @@ def _shares(
                 f"{key} x worker.rollout.n = {samples} samples do not split evenly over {world} worker(s) "
                 "(trainer.n_gpus_per_node x trainer.nnodes); make the product a multiple of the workers"
             )
-    per_worker = global_batch_size * n // world
+    # The workers of a Ulysses group (worker.actor.ulysses_size of them) hold the same rows: one share per group.
+    sp = config.worker.actor.ulysses_size
+    shares, per = (world // sp, "Ulysses group") if sp > 1 and world % sp == 0 else (world, "worker")
+    per_worker = global_batch_size * n // shares
     if micro >= 1 and per_worker >= 1 and per_worker % micro:
         problems.append(
             f"{section}.micro_batch_size_per_device_for_update={micro} does not divide the {per_worker} samples "
-            f"each worker gets per update (global_batch_size x n / workers); pick a divisor of {per_worker}"
+            f"each {per} gets per update (global_batch_size x n / {per}s); pick a divisor of {per_worker}"
         )
     return problems
 
