@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vlmrl.config import Config
 from vlmrl.config.kinds import workflow_name
-from vlmrl.models import UnsupportedFamily, family_of
+from vlmrl.models import Family, UnsupportedFamily, family_of
 from vlmrl.plan import Cluster, device, uses_critic
 
 
@@ -46,7 +46,7 @@ def family_problems(config: Config, cluster: Cluster) -> list[str]:
     return problems
 
 
-def _actor_family_problems(config: Config, cluster: Cluster, path: str, found) -> list[str]:
+def _actor_family_problems(config: Config, cluster: Cluster, path: str, found: Family) -> list[str]:
     """What the actor's family refuses of this run's settings."""
     problems = []
     dtype = config.worker.rollout.dtype.value
