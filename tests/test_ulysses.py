@@ -322,7 +322,8 @@ def test_a_ulysses_group_counts_as_one_share_of_the_update(quickstart_assets, mo
     # 2 x 2 samples per update: 2 per worker, but 4 per Ulysses group of the 2 workers (a micro-batch of 4 fits).
     base = [
         QUICKSTART, "trainer.n_gpus_per_node=2", "worker.actor.padding_free=true", "data.rollout_batch_size=2",
-        "worker.actor.global_batch_size=2", "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=4",
+        "worker.actor.global_batch_size=2", "worker.rollout.n=2",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
     ]  # fmt: skip
     assert load_config([*base, "worker.actor.ulysses_size=2"], CPU).worker.actor.ulysses_size == 2  # no problem
     assert problems_of(*base, cluster=CPU) == [
