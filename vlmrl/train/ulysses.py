@@ -95,8 +95,6 @@ class Shard:
     group: SequenceGroup
     length: int
     """The row's length padded to a multiple of the group size."""
-    pad: int
-    """Tokens appended to make ``length``."""
     keep: torch.Tensor
     """(K,) bool: which of the row's logit positions lie in this rank's slice."""
     local_logit_index: torch.Tensor
@@ -139,7 +137,7 @@ def split(inputs: dict, logit_index: torch.Tensor, group: SequenceGroup) -> tupl
     owner = logit_index // slice_length  # (K,) the rank whose slice holds each logit position
     counts = torch.bincount(owner.cpu(), minlength=group.size).tolist()
     keep = owner == group.rank
-    shard = Shard(group, length, pad, keep, logit_index[keep] - group.rank * slice_length, counts, mask)
+    shard = Shard(group, length, keep, logit_index[keep] - group.rank * slice_length, counts, mask)
     return {**inputs, "input_ids": input_ids, "position_ids": positions}, shard
 
 
