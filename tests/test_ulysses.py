@@ -20,7 +20,8 @@ are odd (so the row is padded to split):
 - the critic's values and one ``update_critic`` SGD step (its value head
   random, so the backbone's gradients are not zero);
 - Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
-  features go to the rank holding their tokens).
+  features go to the rank holding their tokens), and a text causal LM's on
+  three text rows (its decoder embeds the tokens itself).
 
 Why the gradients must agree (``ulysses`` module docstring): the update loop
 scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from helpers.media import png, write_parquet
 from helpers.tiny_families import family_prompts
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.config import FSDPConfig
@@ -49,6 +50,7 @@ from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.records import Trajectory
 from vlmrl.records.views import to_batch
 from vlmrl.rollout.engine.sampling import sampling_mask
+from vlmrl.testing.assets import ensure_text_assets
 from vlmrl.train import packing, ulysses
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
@@ -122,6 +124,25 @@ def qwen3_vl(tiny_assets, tmp_path_factory):
     return str(path), to_batch(rows, max_prompt_length=2048, max_response_length=4, pad_token_id=0), allowed
 
 
+@pytest.fixture(scope="module")
+def text_lm():
+    """The tiny text causal LM (Qwen2; its decoder is given token ids, not embeddings) and three math prompts with
+    responses of 5, 2 and 4 tokens."""
+    assets = ensure_text_assets()
+    processor = AutoProcessor.from_pretrained(assets.model_dir)
+    dataset = RLHFDataset(
+        str(assets.math_train_file), processor, prompt_key="problem", answer_key="answer", image_key="images",
+        image_dir=None, max_prompt_length=256, min_pixels=3136, max_pixels=12544,
+    )  # fmt: skip
+    vocab = AutoModelForCausalLM.from_pretrained(assets.model_dir).config.vocab_size
+    allowed = sampling_mask(processor, vocab, QWEN_MARKERS)
+    allowed_ids = allowed.nonzero().flatten()
+    gen = torch.Generator().manual_seed(3)
+    responses = [allowed_ids[torch.randint(len(allowed_ids), (n,), generator=gen)].tolist() for n in (5, 2, 4)]
+    rows = [Trajectory.single_turn(dataset[i], i, 0, r, "", 1.0) for i, r in enumerate(responses)]
+    return str(assets.model_dir), to_batch(rows, max_prompt_length=256, max_response_length=5, pad_token_id=0), allowed
+
+
 def _critic(model_dir: str) -> ValueModel:
     """The critic with a random value head (the same in every process), so the backbone gets gradients too."""
     critic = ValueModel.from_pretrained(model_dir, torch.float32, False)
@@ -163,7 +184,7 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, results) -> None:
+def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, text_lm, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -186,13 +207,19 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, r
     out["qwen3_vl"] = compute_log_probs(
         family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed, sequence=group
     )
+    path, text_batch, text_allowed = text_lm
+    text_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ulysses.install(text_model)
+    out["text_lm"] = compute_log_probs(
+        text_model, text_batch, MicroBatching(3, padding_free=True), text_allowed, sequence=group
+    )
     results[rank] = out
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_assets, batch_and_mask, qwen3_vl, tmp_path_factory):
+def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, tmp_path_factory):
     """``{"alone": ..., 0: ..., 1: ...}``: this process without SP, and the two ranks of the SP group."""
     import torch.multiprocessing as mp
 
@@ -203,11 +230,14 @@ def runs(tiny_assets, batch_and_mask, qwen3_vl, tmp_path_factory):
     path, family_batch, family_allowed = qwen3_vl
     family_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     out["qwen3_vl"] = compute_log_probs(family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed)
+    path, text_batch, text_allowed = text_lm
+    text_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out["text_lm"] = compute_log_probs(text_model, text_batch, MicroBatching(3, padding_free=True), text_allowed)
     tmp = tmp_path_factory.mktemp("ulysses_ranks")
     quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
-        args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, results)
+        args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, text_lm, results)
         mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
         out |= dict(results)
     return out
@@ -264,6 +294,13 @@ def test_sequence_parallel_splits_qwen3_vl_deepstack_features_with_their_tokens(
     for rank in range(SP):
         torch.testing.assert_close(runs[rank]["qwen3_vl"][0], log_probs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(runs[rank]["qwen3_vl"][1], entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_parallel_text_lm_log_probs_match_one_rank(runs):
+    log_probs, entropy = runs["text_lm"]
+    for rank in range(SP):
+        torch.testing.assert_close(runs[rank]["text_lm"][0], log_probs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runs[rank]["text_lm"][1], entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_sequence_parallel_critic_gives_the_same_values_and_step_as_one_rank(runs):

@@ -45,7 +45,7 @@ averaged gradient that of the ``dp`` distinct shards.
 
 Models: decoder stacks of full-attention layers that call transformers'
 attention interface with ``(module, query, key, value, mask, **kwargs)`` in
-the ``(batch, heads, tokens, head_dim)`` layout (tested: Qwen2.5-VL, Qwen3-VL;
+the ``(batch, heads, tokens, head_dim)`` layout (tested: Qwen2.5-VL, Qwen3-VL, Qwen2 text;
 ``check_model`` refuses linear-attention and sliding-window layers).
 """
 
