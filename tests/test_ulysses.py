@@ -367,3 +367,12 @@ def test_a_ulysses_group_counts_as_one_share_of_the_update(quickstart_assets, mo
         "worker.actor.micro_batch_size_per_device_for_update=4 does not divide the 2 samples each worker gets per "
         "update (global_batch_size x n / workers); pick a divisor of 2"
     ]
+
+
+def test_a_padded_pass_with_a_group_is_refused(batch_and_mask):
+    from vlmrl.train.actor import forward_response
+
+    batch, allowed = batch_and_mask
+    group = ulysses.SequenceGroup(None, SP, 0)  # never reached: the pass is refused first
+    with pytest.raises(ValueError, match="the pass must be padding-free"):
+        forward_response(torch.nn.Linear(1, 1), batch, allowed, padding_free=False, sequence=group)

@@ -73,6 +73,8 @@ def forward_response(
     (``vlmrl.train.ulysses``, the model ``ulysses.install``-ed); the values
     come back whole on every rank of the group.
     """
+    if sequence is not None and not padding_free:
+        raise ValueError("Ulysses sequence parallelism splits packed rows: the pass must be padding-free")
     device = _device(model)
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
     shared = None

@@ -81,6 +81,8 @@ def forward_values(
     ``sequence`` (padding-free only): the Ulysses group the packed row is split over (``vlmrl.train.ulysses``,
     the backbone ``ulysses.install``-ed); the values come back whole on every rank of the group.
     """
+    if sequence is not None and not padding_free:
+        raise ValueError("Ulysses sequence parallelism splits packed rows: the pass must be padding-free")
     device = next(model.parameters()).device
     mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
     shape = tuple(batch.responses.shape)
