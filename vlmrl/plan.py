@@ -463,6 +463,13 @@ def _save_text(trainer) -> str:
     return f"{', '.join(when)}; keeping {keep}"
 
 
+def _server_devices(plan: Plan) -> str:
+    """Where a rollout server's engine runs: its device(s), and its tensor-parallel shards' processes."""
+    tp = plan.tensor_parallel_size
+    devices = (f"{tp} GPUs" if tp > 1 else "1 GPU") if plan.device == "cuda" else "1 CPU"
+    return devices + (f", sharded over {tp} processes of its own (tensor parallel)" if tp > 1 else "")
+
+
 def describe(plan: Plan, config: Config) -> str:
     """The resource plan in a few lines, for --dry-run."""
     actor, trainer, rollout = config.worker.actor, config.trainer, config.worker.rollout
@@ -481,13 +488,13 @@ def describe(plan: Plan, config: Config) -> str:
             f"each holding {', '.join(holds)}" + ("" if plan.rollout_servers else " and a vLLM engine")
             + (
                 f" shard ({plan.rollout_groups} engine(s), each over {plan.tensor_parallel_size} workers)"
-                if plan.tensor_parallel_size > 1
+                if plan.tensor_parallel_size > 1 and not plan.rollout_servers
                 else ""
             )
         ),
         *(
             [f"rollout servers: {plan.rollout_servers}, apart from the workers (which build no engine), each with its "
-             f"own vLLM engine on {'1 GPU' if plan.device == 'cuda' else '1 CPU'}"]  # fmt: skip
+             f"own vLLM engine on {_server_devices(plan)}"]  # fmt: skip
             if plan.rollout_servers
             else []
         ),

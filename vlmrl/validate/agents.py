@@ -123,10 +123,13 @@ def external_agent_problems(config: Config) -> list[str]:
             "the log-prob passes, so that rows can be trimmed to whole mini-batches first; set "
             "algorithm.use_kl_loss=true, or algorithm.disable_kl=true"
         )
-    if rollout.tensor_parallel_size > 1:
+    a = rollout.async_rl
+    if rollout.tensor_parallel_size > 1 and not (a.enable and a.placement == "disaggregated"):
         problems.append(
-            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} with {A}: each worker serves its "
-            "own agents from its own engine; set worker.rollout.tensor_parallel_size=1"
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} with {A}: each trainer worker "
+            "serves its own agents from its own engine, and a tensor-parallel engine's workers must be given the "
+            "same requests; set worker.rollout.tensor_parallel_size=1, or serve the agents from rollout servers "
+            "(worker.rollout.async_rl.enable=true, placement=disaggregated), whose engines may be tensor-parallel"
         )
     opts, key = rollout.agent_options, "worker.rollout.agent_options"
     if opts.max_concurrency < 1:

@@ -61,10 +61,4 @@ def _disaggregated_problems(config: Config) -> list[str]:
             f"sample with weights up to {k - 1} version(s) behind the trainer, so every such group would be stale; "
             f"raise {P}.max_head_offpolicyness to {k - 1} or more, or lower the interval to {eta + 1}"
         )
-    if rollout.tensor_parallel_size > 1:
-        problems.append(
-            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} {where}: a rollout server runs one "
-            "engine in one actor (vLLM's sharded engine joins the trainer's process group); set 1 and raise "
-            f"{P}.rollout_workers instead"
-        )
     return problems

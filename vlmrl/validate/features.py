@@ -221,14 +221,18 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             f"set trainer.n_gpus_per_node to at most {cluster.gpus}"
         )
     tp = rollout.tensor_parallel_size
-    if tp > 1 and trainer.n_gpus_per_node % tp:
+    # On rollout servers an engine's shards are the server's own processes (vlmrl.workers.rollout_server), not
+    # trainer workers: the checks of engines over workers are the colocated engines'.
+    a = rollout.async_rl
+    on_servers = a.enable and a.placement == "disaggregated"
+    if tp > 1 and not on_servers and trainer.n_gpus_per_node % tp:
         where = "GPUs" if on_gpu else "workers"
         problems.append(
             f"worker.rollout.tensor_parallel_size={tp} does not divide trainer.n_gpus_per_node="
             f"{trainer.n_gpus_per_node}: an engine's {where} must be on one node; pick a divisor of n_gpus_per_node"
         )
     mini = config.data.mini_rollout_batch_size
-    engines = world_size(config) // tp if tp >= 1 and world_size(config) % tp == 0 else None
+    engines = world_size(config) // tp if tp >= 1 and world_size(config) % tp == 0 and not on_servers else None
     if mini is not None and mini >= 1:
         if config.data.rollout_batch_size % mini:
             problems.append(
@@ -247,7 +251,7 @@ def device_problems(config: Config, cluster: Cluster) -> list[str]:
             "worker.hybrid_engine=false: vlmrl always runs the actor and its vLLM engine in the same worker "
             "(the weights move in process); set worker.hybrid_engine=true"
         )
-    if tp > 1 and workflow_name(rollout) == "multi_turn":
+    if tp > 1 and not on_servers and workflow_name(rollout) == "multi_turn":
         problems.append(
             f"worker.rollout.tensor_parallel_size={tp} with worker.rollout.workflow=multi_turn: the agent loop "
             "runs its tools in each worker, and the workers of a tensor-parallel engine must send it the same "

@@ -65,10 +65,12 @@ def workflow_problems(config: Config) -> list[str]:
             "advantage before the log-prob passes, so that rows can be trimmed to whole mini-batches first; set "
             "algorithm.use_kl_loss=true, or algorithm.disable_kl=true"
         )
-    if rollout.tensor_parallel_size > 1:
+    a = rollout.async_rl
+    if rollout.tensor_parallel_size > 1 and not (a.enable and a.placement == "disaggregated"):
         problems.append(
-            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} with {KEY}={chosen}: the workers of "
-            "a tensor-parallel engine must send it the same requests, which a workflow's code does not promise; "
-            "set worker.rollout.tensor_parallel_size=1"
+            f"worker.rollout.tensor_parallel_size={rollout.tensor_parallel_size} with {KEY}={chosen}: the trainer "
+            "workers of a tensor-parallel engine must send it the same requests, which a workflow's code does not "
+            "promise; set worker.rollout.tensor_parallel_size=1, or run it on rollout servers "
+            "(worker.rollout.async_rl.enable=true, placement=disaggregated), whose engines may be tensor-parallel"
         )
     return problems

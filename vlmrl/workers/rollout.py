@@ -27,13 +27,14 @@ from vlmrl.rollout.kind import RolloutKind, RolloutStats
 class RolloutWorker:
     def __init__(
         self, config: Config, plan: Plan, rank: int, tokenizer, allowed_tokens: torch.Tensor, processor=None,
-        engine_for_kind=None,
+        engine_for_kind=None, server: bool = False,
     ):  # fmt: skip
         """``engine_for_kind``: wraps the engine for the rollout kind (a rollout server's loop); default: the
-        engine itself."""
+        engine itself. ``server``: this is rollout server ``rank``, whose engine is its own (its tensor-parallel
+        shards in processes vLLM starts), not a trainer worker's shard of a group's engine."""
         rollout_cfg = config.worker.rollout
         tp = plan.tensor_parallel_size
-        if tp > 1:
+        if tp > 1 and not server:
             # vLLM's external launcher reads the rank from the environment (the process group already exists).
             # On GPU each worker sees only its own device, so its local rank is 0.
             os.environ["RANK"] = str(rank)
@@ -43,7 +44,7 @@ class RolloutWorker:
             config.worker.actor.model.model_path,
             dtype=rollout_cfg.dtype.value,
             # The workers of a tensor-parallel group sample as one engine: the same seed and the same requests.
-            seed=rollout_cfg.seed + rank // tp,
+            seed=rollout_cfg.seed + (rank if server else rank // tp),
             max_model_len=plan.rollout_max_model_len,
             max_num_batched_tokens=rollout_cfg.max_num_batched_tokens,
             enforce_eager=rollout_cfg.enforce_eager,
@@ -59,6 +60,7 @@ class RolloutWorker:
             hf_overrides=config.worker.actor.model.override_config,
             engine_weight=family.engine_weight,
             recurrent_layers=family.recurrent_layers,
+            own_processes=server,
         )
         self.pad_ids = family.media_pad_ids(tokenizer)
         """The image and the video pad token (-1 for one the tokenizer lacks)."""

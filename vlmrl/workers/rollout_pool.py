@@ -1,7 +1,7 @@
 """The driver's handle on the rollout servers (asynchronous training, disaggregated placement).
 
-``start_servers`` launches ``plan.rollout_servers`` ``RolloutServer`` actors (1 GPU each, or 1 CPU on CPU),
-apart from the trainer workers' placement groups. ``RolloutPool`` submits a generation call without
+``start_servers`` launches ``plan.rollout_servers`` ``RolloutServer`` actors (``tensor_parallel_size`` GPUs each,
+or 1 CPU on CPU), apart from the trainer workers' placement groups. ``RolloutPool`` submits a generation call without
 waiting for it (``submit``: the prompts split evenly over the servers, one Ray call each, returned as
 references), tells whether it is in (``done``), and turns a finished call into the ``Batch`` that
 ``WorkerGroup.generate`` would have built (``collect``), so generation runs while the trainer trains. The
@@ -34,7 +34,9 @@ def start_servers(config: Config, plan: Plan) -> list:
     groups = a.max_concurrent_rollouts or (a.max_head_offpolicyness + 1) * config.data.rollout_batch_size
     return [
         start_rollout_server(
-            config, plan, rank, max_concurrency=groups + 2, num_cpus=1, num_gpus=1 if plan.device == "cuda" else 0
+            config, plan, rank, max_concurrency=groups + 2, num_cpus=1,
+            # A tensor-parallel server's shards are processes vLLM starts in the actor, on the actor's GPUs.
+            num_gpus=plan.tensor_parallel_size if plan.device == "cuda" else 0,
         )
         for rank in range(plan.rollout_servers)
     ]

@@ -65,11 +65,6 @@ class RolloutServer:
 
     def __init__(self, config: Config, plan: Plan, rank: int = 0):
         kind = workflows.workflow_name(config.worker.rollout)
-        if plan.tensor_parallel_size > 1:
-            # vLLM's external launcher needs the trainer's process group, which a separate actor does not join.
-            raise ValueError(
-                f"RolloutServer runs one engine per actor; tensor_parallel_size={plan.tensor_parallel_size}"
-            )
         model = config.worker.actor.model
         processor = load_processor(model.model_path, model.tokenizer_path, model.trust_remote_code)
         tokenizer = tokenizer_of(processor)
@@ -85,7 +80,9 @@ class RolloutServer:
             loops.append(EngineLoop(engine))
             return LoopedEngine(loops[0])
 
-        worker = RolloutWorker(config, plan, rank, tokenizer, allowed, processor, engine_for_kind=looped)
+        worker = RolloutWorker(
+            config, plan, rank, tokenizer, allowed, processor, engine_for_kind=looped, server=True
+        )
         self.engine, self.pad_ids, self.kind, self.loop = worker.engine, worker.pad_ids, worker.kind, loops[0]
         self.single_turn = kind == "single_turn"
         """Single-turn calls submit their seeded requests here directly; the other kinds' go to the kind."""

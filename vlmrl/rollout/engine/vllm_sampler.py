@@ -1,6 +1,6 @@
 """What vlmrl puts on vLLM's sampler: the banned tokens' logits processor, and seeds drawn in blocks on CPU.
 
-**The ban** (``ban_tokens``). Every request may sample only the engine's ``allowed_tokens`` (see
+**The ban** (``vllm_ban.BanTokens``). Every request may sample only the engine's ``allowed_tokens`` (see
 ``vlmrl.rollout.engine.sampling``). A logits processor of the engine's own sets the banned ids' logits to -inf for every
 row of every step, where vLLM's ``allowed_token_ids`` would mask them: the same -inf at the same places, so the samples
 and log-probs are the allowed list's to the bit (tests/test_engine.py checks both against ``LLM.generate`` with
@@ -94,28 +94,3 @@ def install(worker) -> bool:
     return True
 
 
-def ban_tokens(banned: list[int]) -> type:
-    """A vLLM logits processor class that sets the logits of ``banned`` to -inf, for every request.
-
-    vLLM builds its logits processors itself, from classes; this one is made per engine so that it carries
-    the engine's ids. It changes the argmax, so vLLM applies it before greedy and random sampling alike, and
-    before the processed log-probs, as it applies ``allowed_token_ids``.
-    """
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class BanTokens(LogitsProcessor):
-        def __init__(self, vllm_config, device, is_pin_memory: bool):
-            self.banned = torch.tensor(banned, dtype=torch.long, device=device)
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update) -> None:
-            pass  # the same ids for every request
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if self.banned.numel():
-                logits.index_fill_(1, self.banned, float("-inf"))
-            return logits
-
-    return BanTokens
