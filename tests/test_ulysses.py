@@ -376,3 +376,18 @@ def test_a_padded_pass_with_a_group_is_refused(batch_and_mask):
     group = ulysses.SequenceGroup(None, SP, 0)  # never reached: the pass is refused first
     with pytest.raises(ValueError, match="the pass must be padding-free"):
         forward_response(torch.nn.Linear(1, 1), batch, allowed, padding_free=False, sequence=group)
+
+
+def test_the_stall_watch_counts_the_optimizer_steps_of_a_group():
+    from types import SimpleNamespace
+
+    from vlmrl.driver.loop import TrainingLoop
+
+    # 8 rows, 4 samples per update and worker share, 2 workers in one Ulysses group: the group holds all 8 rows,
+    # so each worker makes 2 optimizer steps (8 / 4), not 1 (8 / 2 workers / 4).
+    loop = TrainingLoop.__new__(TrainingLoop)  # the count alone: no workers
+    loop.plan = SimpleNamespace(world_size=2, trains_actor=lambda step: True)
+    loop.config = SimpleNamespace(worker=SimpleNamespace(actor=SimpleNamespace(ulysses_size=SP)))
+    loop.actor_settings = SimpleNamespace(samples_per_update=4, ppo_epochs=1)
+    loop.critic_settings = None
+    assert loop._optimizer_steps(8, step=1) == {"actor": 2}

@@ -349,7 +349,8 @@ class TrainingLoop:
     def _optimizer_steps(self, rows: int, step: int) -> dict[str, int]:
         """The optimizer steps this step's updates made, per trained model."""
         made = {}
-        world = self.plan.world_size
+        # The workers of a Ulysses group (worker.actor.ulysses_size of them) hold one share of the rows between them.
+        world = self.plan.world_size // self.config.worker.actor.ulysses_size
         if self.plan.trains_actor(step):
             made["actor"] = optimizer_steps(rows, self.actor_settings.samples_per_update, world, self.actor_settings.ppo_epochs)
         if self.critic_settings is not None:
