@@ -4,8 +4,9 @@ The engine here is scripted (its "model" writes given texts, encoded with the to
 end-of-turn token), so what is checked is the agent loop's own logic:
 
 - token-in/token-out: the assembled ids equal the processor's rendering of the whole conversation (written
-  out here by hand as chat messages) over 1-3 turns with tool images, for Qwen2-VL, Qwen2.5-VL and Qwen3-VL;
-  a template that is not append-only is reported as a mismatch;
+  out here by hand as chat messages) over 1-3 turns with tool images, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+  Qwen3-VL-MoE, Qwen3.5 and GLM-4.1V (whose replies stop at the next turn's ``<|user|>``); a template that is
+  not append-only is reported as a mismatch;
 - the mask, log-prob and version invariants, turn ends and turn rewards, positions over the whole sequence;
 - bad tool behaviour (unknown tool, exception, timeout, wrong arguments, wrong result, malformed call, too
   many calls) becomes error observations and counted statuses, never an exception;
@@ -29,12 +30,13 @@ from vlmrl.data.chat import tools_system_message
 from vlmrl.data.dataset import MODEL_INPUT_KEYS, RLHFDataset
 from vlmrl.data.media import resize_to_grid
 from vlmrl.models import family_of
-from vlmrl.models.qwen_vision import QwenMediaSizes
 from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput, Sampling
 from vlmrl.rollout.turns.loop import AgentLoop, Limits, turn_seed
 from vlmrl.rollout.turns.observations import ConversationRenderer
 from vlmrl.rollout.turns.tools import ToolRunner, load_tools
+from vlmrl.testing.tiny_qwen3_5 import BUILDERS as QWEN3_5_BUILDERS
+from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
@@ -83,9 +85,11 @@ def tiny(tiny_assets):
     return AutoProcessor.from_pretrained(tiny_assets.model_dir), AutoConfig.from_pretrained(tiny_assets.model_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"])
 def family(request, tmp_path_factory):
-    path = build_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    build = build_tiny_qwen3_5_family if request.param in QWEN3_5_BUILDERS else build_tiny_vlm
+    path = build(out, request.param)
     return request.param, AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
 
 
@@ -99,8 +103,8 @@ def _prompts(tiny_assets, processor, config, tools, n=2) -> list[PromptSample]:
 
 
 def _loop(processor, config, engine, tools, *, parser, chat_template=None, env_class=None, **limits) -> AgentLoop:
-    ip = processor.image_processor
-    sizes = QwenMediaSizes.of(ip, MIN_PIXELS, MAX_PIXELS)
+    adapter = family_of(config)
+    sizes = adapter.sizes(processor, MIN_PIXELS, MAX_PIXELS)
     renderer = ConversationRenderer(
         processor,
         chat_template=chat_template,
@@ -108,15 +112,15 @@ def _loop(processor, config, engine, tools, *, parser, chat_template=None, env_c
         template_has_tools=False,  # the tiny models' template, like Qwen2.5-VL's, has no tools
         resize=lambda image: resize_to_grid(image, sizes),
         model_input_keys=MODEL_INPUT_KEYS,
+        stop_opens_turn=adapter.stop_opens_turn,
     )
     settings = dict(max_turns=3, max_response_length=400, max_tokens_per_turn=None, max_tool_response_length=64,
                     max_images=4, tool_timeout=0.5, max_parallel_calls=8)  # fmt: skip
     settings.update(limits)
-    vocab = processor.tokenizer.get_vocab()
     return AgentLoop(
         engine, renderer, Limits(**settings),
-        positions=family_of(config).positions(config).positions,
-        pad_ids=(vocab["<|image_pad|>"], vocab["<|video_pad|>"]),
+        positions=adapter.positions(config).positions,
+        pad_ids=adapter.media_pad_ids(processor.tokenizer),
         runner=None if env_class else ToolRunner(tools, settings["tool_timeout"]),
         parser=parser, env_class=env_class,
     )  # fmt: skip
@@ -132,6 +136,7 @@ TURN_TEXTS = ["I will look closer.", "Still not sure, once more.", "It is <answe
 @pytest.mark.parametrize("turns", [1, 2, 3])
 def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(tiny_assets, family, turns):
     name, processor, config = family
+    adapter = family_of(config)
     tools = load_tools([f"{TOOLS}:reveal"])
     prompts = _prompts(tiny_assets, processor, config, tools, n=1)
     engine = ScriptedEngine(processor.tokenizer, lambda r, turn: TURN_TEXTS[turn])
@@ -150,7 +155,7 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
         messages.append({"role": "assistant", "content": TURN_TEXTS[turn]})
         if turn + 1 < turns:
             image = agent_tools.card(turn)
-            images.append(resize_to_grid(image, QwenMediaSizes.of(processor.image_processor, MIN_PIXELS, MAX_PIXELS)))
+            images.append(resize_to_grid(image, adapter.sizes(processor, MIN_PIXELS, MAX_PIXELS)))
             messages.append({"role": "user", "content": [
                 {"type": "text", "text": "<tool_response>\n"}, {"type": "image"},
                 {"type": "text", "text": f"picture {turn}\n</tool_response>"},
@@ -158,9 +163,13 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     expected = processor(text=[text], images=images, do_resize=False, return_tensors="pt")
     ids = expected["input_ids"][0].tolist()
+    if adapter.stop_opens_turn:
+        # GLM: each reply stops at <|user|>, which opens the next turn; the template writes it there once (the
+        # assembly leaves the rendered one out), and after the last reply it opens a turn not yet written.
+        ids.append(processor.tokenizer.eos_token_id)
     assert t.token_ids == ids[: len(t.token_ids)], name
-    # What the template adds after the last turn's end token, which the model never samples.
-    assert processor.tokenizer.decode(ids[len(t.token_ids) :]) == "\n"
+    # What the template adds after the last turn's end token, which the model never samples (GLM: nothing).
+    assert processor.tokenizer.decode(ids[len(t.token_ids) :]) == ("" if adapter.stop_opens_turn else "\n")
     assert t.num_turns == turns and t.stop_reason == "max_turns"
     assert t.render_mismatch is False
     # Pixel values and grids of every image, the prompt's then the tools', in order.

@@ -80,9 +80,14 @@ class Family:
     """peft's ``exclude_modules`` when the user gives none: the vision tower gets no adapters."""
     media_sizes: Callable[[Any, int, int], MediaSizes] | None = None
     """(image processor, min_pixels, max_pixels) -> the family's resizing; None for a text family."""
-    no_conversations: str | None = None
-    """Why the family's multi-turn conversations cannot be assembled token by token yet (validation then refuses
-    every rollout kind but single_turn, with this reason); None: they can."""
+    stop_opens_turn: bool = False
+    """A reply stops at the token that opens the next turn (GLM-4.1V: ``<|user|>``; the template closes no turn),
+    so the multi-turn renderer leaves that token out of what follows a reply that ended with it: the template
+    writes it once (``ConversationRenderer``, ``Episode.add_observation``). False: a reply's stop token closes
+    its own turn (Qwen's ``<|im_end|>``)."""
+    no_agent_endpoint: str | None = None
+    """Why the family's models are not trained on an OpenAI-compatible agent's calls yet (validation then refuses
+    ``worker.rollout.workflow=openai_agent`` with this reason); None: they are."""
     engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     """(HF name, the actor's tensor) -> the tensor in the layout vLLM loads, applied to every weight the sync hands
     the engine, where the two layouts differ (Qwen3-VL-MoE's fused experts); None: they are the same."""

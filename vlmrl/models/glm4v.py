@@ -15,9 +15,11 @@ Where it differs from the Qwen families:
   temporal patch), so an image is kept within half the processor's own budget
   as well as the user's, and the processor (the dataset's, and vLLM's, which
   is the same) leaves it as it is;
-- multi-turn rollouts are refused (``no_conversations``): a reply ends at
-  ``<|user|>``, the first token of the next user turn, which the turn
-  renderer would write a second time;
+- no end-of-turn token: a reply stops at ``<|user|>`` (or
+  ``<|observation|>``), the token that opens the next turn, so the
+  multi-turn renderer leaves that token out of the next turn when the reply
+  already holds it (``stop_opens_turn``); the agent endpoint's calls are not
+  checked for this layout yet and are refused (``no_agent_endpoint``);
 - videos are refused. GLM writes a video as one ``<|image|>`` run per frame
   between timestamp texts, and transformers' GLM-4.1V scatters image and video
   features by the same token, so a row with both cannot be run; vlmrl takes
@@ -93,8 +95,9 @@ GLM4V = Family(
     vision_tower="visual",
     lora_exclude=LORA_EXCLUDE,
     media_sizes=GlmMediaSizes.of,
-    no_conversations=(
-        "GLM-4.1V has no end-of-turn token: a reply stops at <|user|>, which the next turn's rendering writes "
-        "again, so the assembled ids would hold it twice"
+    stop_opens_turn=True,
+    no_agent_endpoint=(
+        "the agent endpoint's merging of an agent's calls into training rows is not checked yet for GLM-4.1V's "
+        "turns, which have no end-of-turn token (a reply stops at the next turn's <|user|>)"
     ),
 )

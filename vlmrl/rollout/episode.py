@@ -130,8 +130,12 @@ class Episode:
         self.versions += [-1] * len(token_ids)
 
     def add_observation(self, obs: Observation, messages: list[dict]) -> None:
-        """A rendered observation (``ConversationRenderer.render``) and the messages it renders."""
-        self.add_context(obs.ids, obs.raw_ids)
+        """A rendered observation (``ConversationRenderer.render``) and the messages it renders. Its ``opener`` (the
+        next turn's first token, where a reply stops at it: GLM-4.1V) is left out when the episode ends with it."""
+        if obs.opener is not None and self.raw and self.raw[-1] == obs.opener:
+            self.add_context(obs.ids[1:], obs.raw_ids[1:])
+        else:
+            self.add_context(obs.ids, obs.raw_ids)
         if obs.images:
             self.mm_chunks.append(obs.mm_inputs)
             self.images += obs.images

@@ -16,7 +16,7 @@ from vlmrl.plan import Cluster, device, uses_critic
 def family_problems(config: Config, cluster: Cluster) -> list[str]:
     """One problem per local model (the actor's, and the critic's when it has its own) whose ``model_type`` no
     family adapter covers, naming the key, the model_type and the supported families; and one per setting the
-    actor's family refuses (``Family.no_conversations``, ``cpu_engine_bfloat16``, ``recurrent_layers``), naming
+    actor's family refuses (``Family.no_agent_endpoint``, ``cpu_engine_bfloat16``, ``recurrent_layers``), naming
     the family's reason and the fix."""
     models = [("worker.actor.model.model_path", config.worker.actor.model.model_path)]
     if uses_critic(config) and config.worker.critic.model.model_path:
@@ -36,10 +36,11 @@ def family_problems(config: Config, cluster: Cluster) -> list[str]:
             problems.append(f"{key}={path}: {e}; give a model of a supported family")
             continue
         kind = workflow_name(config.worker.rollout)
-        if key == "worker.actor.model.model_path" and found.no_conversations and kind != "single_turn":
+        if key == "worker.actor.model.model_path" and found.no_agent_endpoint and kind == "openai_agent":
             problems.append(
                 f"{key}={path} ({found.name}) with worker.rollout.workflow={kind}: vlmrl cannot train {found.name} "
-                f"on multi-turn rollouts yet ({found.no_conversations}); use worker.rollout.workflow=single_turn"
+                f"on an agent's calls yet ({found.no_agent_endpoint}); use worker.rollout.workflow=multi_turn, a "
+                "workflow class or single_turn"
             )
         if key == "worker.actor.model.model_path":
             problems.extend(_actor_family_problems(config, cluster, path, found))

@@ -42,4 +42,5 @@ def conversation_renderer(config: Config, processor, tool_schemas: list[dict]) -
         template_has_tools=template_has_tools(template),
         resize=image_resize(family, processor, data.min_pixels, data.max_pixels),
         model_input_keys=MODEL_INPUT_KEYS,
+        stop_opens_turn=family.stop_opens_turn,
     )

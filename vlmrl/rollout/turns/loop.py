@@ -365,6 +365,9 @@ class AgentLoop:
         except (ValueError, TypeError):
             return True
         full = self.tokenizer.encode(prompt_text[: len(prompt_text) - len(gen)] + conversation, add_special_tokens=False)
+        if self.renderer.stop_opens_turn:
+            # GLM: the last reply's stop token opens a turn the conversation has not written yet.
+            full += c.raw[len(full) : len(full) + 1]
         return full[: len(c.raw)] != c.raw
 
 

@@ -11,6 +11,11 @@ What follows a turn is rendered from the new messages alone and appended:
   no second system prompt appears;
 - the template's generation prompt, which opens the model's next turn.
 
+A family whose replies stop at the token that opens the next turn (GLM-4.1V's
+``<|user|>``: its template closes no turn) has that token left out where the
+reply already ends with it (``Observation.opener``), so the template's single
+``<|user|>`` is the reply's stop token.
+
 Each piece comes in two forms: the ids vLLM gets (one placeholder per
 image, which the engine expands) and the ids the actor gets (the processor's
 expansion into patch tokens, with the pixel values and grids). For the Qwen
@@ -59,6 +64,10 @@ class Observation:
     text: str
     image_ids: list[str] = field(default_factory=list)
     """The content id of each image (``image_content_id``), in order."""
+    opener: int | None = None
+    """The first token, when it opens the next turn and a reply may have stopped at it (GLM-4.1V's role token,
+    ``Family.stop_opens_turn``): appended after a reply that ended with it, it is left out (the reply holds it
+    already, where the template writes it once). None: every token is appended."""
 
 
 class ConversationRenderer:
@@ -71,6 +80,7 @@ class ConversationRenderer:
         template_has_tools: bool,
         resize: Callable[[Any], Any],
         model_input_keys: tuple[str, ...],
+        stop_opens_turn: bool = False,
     ):
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -79,6 +89,8 @@ class ConversationRenderer:
         self.template_has_tools = template_has_tools
         self.resize = resize
         self.model_input_keys = model_input_keys
+        self.stop_opens_turn = stop_opens_turn
+        """The family's ``stop_opens_turn``: what follows a turn names its first token as its ``opener``."""
         self.end_of_turn = self._end_of_turn_separator()
         self.base = self._render(_SYSTEM, add_generation_prompt=False)
         """What the template writes for ``_SYSTEM`` alone: the prefix every rendering of new messages starts with."""
@@ -131,9 +143,10 @@ class ConversationRenderer:
         """``messages`` (images as ``{"type": "image"}`` items, ``images`` in the same order) as the tokens
         that follow a model turn (``after_turn``) or the prompt, up to and including the next generation prompt."""
         text, raw_ids = self._text(messages, after_turn)
+        opener = raw_ids[0] if after_turn and self.stop_opens_turn and raw_ids else None
         images = [self.resize(image) for image in images]
         if not images:
-            return Observation(raw_ids, list(raw_ids), {}, [], text)
+            return Observation(raw_ids, list(raw_ids), {}, [], text, opener=opener)
         image_ids = [image_content_id(image) for image in images]
         if self.expansion is not None:
             out = self._processed(images, tuple(image_ids))
@@ -142,7 +155,7 @@ class ConversationRenderer:
             out = self.processor(text=[text], images=images, do_resize=False, return_tensors="pt")
             ids = out["input_ids"][0].tolist()
         mm_inputs = {k: out[k] for k in self.model_input_keys if k in out and k != "input_ids"}
-        return Observation(raw_ids, ids, mm_inputs, images, text, image_ids)
+        return Observation(raw_ids, ids, mm_inputs, images, text, image_ids, opener)
 
     def _processed(self, images: list[Any], key: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The image processor's tensors for ``images``, kept by their content ids (``_PIXEL_CACHE``); each call
