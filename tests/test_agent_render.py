@@ -34,6 +34,7 @@ from vlmrl.records import PromptSample
 from vlmrl.rollout.engine import Engine, EngineOutput, EngineRequest, SampleOutput, Sampling
 from vlmrl.rollout.turns.loop import AgentLoop, Limits, turn_seed
 from vlmrl.rollout.turns.observations import ConversationRenderer
+from vlmrl.rollout.turns.tool_parsers import ParsedTurn, ToolCall
 from vlmrl.rollout.turns.tools import ToolRunner, load_tools
 from vlmrl.testing.tiny_qwen3_5 import BUILDERS as QWEN3_5_BUILDERS
 from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
@@ -177,6 +178,33 @@ def test_assembled_ids_equal_the_processors_rendering_of_the_whole_conversation(
     assert (t.mm_inputs["pixel_values"] == expected["pixel_values"]).all()
     # Positions are the family's own function over the whole sequence.
     assert (t.position_ids == family_of(config).positions(config).positions(t.token_ids, dict(expected))).all()
+
+
+def test_text_tool_results_assemble_as_the_processor_renders_them(tiny_assets, family):
+    # Tool results without images: a plain-text user turn after each reply (GLM: after the reply's <|user|>).
+    name, processor, config = family
+    adapter = family_of(config)
+    tools = load_tools([f"{TOOLS}:calculator"])
+    prompts = _prompts(tiny_assets, processor, config, tools, n=1)
+    engine = ScriptedEngine(processor.tokenizer, lambda r, turn: TURN_TEXTS[turn])
+    compute = lambda text: ParsedTurn(calls=[ToolCall("calculator", {"expression": "2*(3+4)"})])
+    loop = _loop(processor, config, engine, tools, parser=compute, max_turns=3)
+    [t], _ = loop.run(prompts, [3], _sampling(n=1))
+    messages = [
+        {"role": "system", "content": tools_system_message([x.schema() for x in tools])},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
+    ]
+    for turn in range(3):
+        messages.append({"role": "assistant", "content": TURN_TEXTS[turn]})
+        if turn < 2:
+            messages.append({"role": "user", "content": "<tool_response>\n14\n</tool_response>"})
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = processor(text=[text], images=list(prompts[0].images), do_resize=False, return_tensors="pt")["input_ids"]
+    ids = ids[0].tolist() + ([processor.tokenizer.eos_token_id] if adapter.stop_opens_turn else [])
+    assert t.token_ids == ids[: len(t.token_ids)] and len(ids) - len(t.token_ids) <= 1, name
+    # The last turn's call is not run: no turn follows to read it.
+    assert t.num_turns == 3 and [c["status"] for c in t.tool_calls] == ["ok", "ok", "skipped"]
+    assert t.render_mismatch is False
 
 
 def test_a_repeated_observation_renders_as_the_first_without_the_template(tiny, monkeypatch):
