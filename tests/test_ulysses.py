@@ -21,7 +21,8 @@ are odd (so the row is padded to split):
   random, so the backbone's gradients are not zero);
 - Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
   features go to the rank holding their tokens), and a text causal LM's on
-  three text rows (its decoder embeds the tokens itself).
+  three text rows (its decoder embeds the tokens itself);
+- the log-probs of video rows (videos are encoded whole on every rank).
 
 Why the gradients must agree (``ulysses`` module docstring): the update loop
 scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
@@ -39,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.media import png, write_parquet
+from helpers.media import png, write_parquet, write_video
 from helpers.tiny_families import family_prompts
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
@@ -107,6 +108,26 @@ def batch_and_mask(tiny_assets, tmp_path_factory):
     batch.values = torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
     batch.returns = batch.values + torch.randn(batch.responses.shape, generator=gen) * batch.response_mask
     return batch, allowed
+
+
+@pytest.fixture(scope="module")
+def video_batch(tiny_assets, tmp_path_factory):
+    """A video row and a video-and-image row on the tiny Qwen2.5-VL, responses of 3 and 2 tokens (the videos are
+    encoded whole on every rank; their tokens are cut like the others)."""
+    tmp = tmp_path_factory.mktemp("ulysses_video")
+    rows = [
+        {"problem": "What happens in <video>?", "answer": "a", "images": None,
+         "videos": [write_video(tmp / "v.mp4", frames=8, fps=4)]},
+        {"problem": "Clip then a picture.", "answer": "b", "images": [png(56, 56)],
+         "videos": [write_video(tmp / "short.mp4", frames=3, fps=2)]},
+    ]  # fmt: skip
+    processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
+    dataset = RLHFDataset(
+        write_parquet(tmp / "rows.parquet", rows), processor, prompt_key="problem", answer_key="answer",
+        image_key="images", image_dir=None, max_prompt_length=512, min_pixels=3136, max_pixels=12544, video_fps=2.0,
+    )  # fmt: skip
+    trajectories = [Trajectory.single_turn(dataset[i], i, 0, [100 + i] * n, "", 1.0) for i, n in enumerate((3, 2))]
+    return to_batch(trajectories, max_prompt_length=512, max_response_length=3, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +205,7 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, text_lm, results) -> None:
+def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, text_lm, videos, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -196,7 +217,8 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, t
     # As the worker does with enable_gradient_checkpointing: the layers run again in the backward (alone does not).
     model.gradient_checkpointing_enable()
     group = ulysses.SequenceGroup.of_world(SP)
-    out = {"group": (group.size, group.rank), **_passes(model, batch, allowed, group)}
+    videos = compute_log_probs(model, videos, MicroBatching(2, padding_free=True), allowed, sequence=group)
+    out = {"group": (group.size, group.rank), "videos": videos, **_passes(model, batch, allowed, group)}
     critic = _critic(model_dir)
     ulysses.install(critic.backbone)
     critic = shard(critic, critic.no_split_modules, mesh, ShardOptions.from_config(fsdp, "cpu"))
@@ -219,14 +241,15 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, t
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, tmp_path_factory):
+def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, video_batch, tmp_path_factory):
     """``{"alone": ..., 0: ..., 1: ...}``: this process without SP, and the two ranks of the SP group."""
     import torch.multiprocessing as mp
 
     batch, allowed = batch_and_mask
     model_dir = str(tiny_assets.model_dir)
     alone = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    out = {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
+    out = {"videos": compute_log_probs(alone, video_batch, MicroBatching(2, padding_free=True), allowed)}
+    out |= {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
     path, family_batch, family_allowed = qwen3_vl
     family_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     out["qwen3_vl"] = compute_log_probs(family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed)
@@ -237,7 +260,7 @@ def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, tmp_path_factory):
     quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
-        args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, text_lm, results)
+        args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, text_lm, video_batch, results)
         mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
         out |= dict(results)
     return out
@@ -294,6 +317,14 @@ def test_sequence_parallel_splits_qwen3_vl_deepstack_features_with_their_tokens(
     for rank in range(SP):
         torch.testing.assert_close(runs[rank]["qwen3_vl"][0], log_probs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(runs[rank]["qwen3_vl"][1], entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_parallel_video_rows_match_one_rank(runs, video_batch):
+    assert all("video_grid_thw" in mm for mm in video_batch.mm_inputs)
+    log_probs, entropy = runs["videos"]
+    for rank in range(SP):
+        torch.testing.assert_close(runs[rank]["videos"][0], log_probs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runs[rank]["videos"][1], entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_sequence_parallel_text_lm_log_probs_match_one_rank(runs):

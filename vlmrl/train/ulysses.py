@@ -28,7 +28,8 @@ are gathered over the group (an all-gather; the backward sums each image's
 gradients on the rank that encoded it), so every rank merges the whole
 row's features and keeps its slice. With fewer images than ranks every rank
 encodes them all. (Routing each image's features to the ranks holding its
-tokens only would move less; the all-gather moves every image's.)
+tokens only would move less; the all-gather moves every image's.) Videos are
+encoded whole on every rank.
 
 Each rank's ``lm_head`` runs only on the logit positions inside its slice;
 ``gather`` joins the per-token values (log-probs, entropy) of the group in
