@@ -133,7 +133,7 @@ def _rollout(sleeps: bool) -> VLLMEngine:
     # The engine's memory handling only, without building an engine.
     rollout = object.__new__(VLLMEngine)
     rollout.llm, rollout.sleeps, rollout.freed, rollout.version = _FakeLLM(), sleeps, set(), 0
-    rollout.engine_weight = None
+    rollout.engine_weight, rollout.remote_shards = None, False
     return rollout
 
 
