@@ -34,17 +34,3 @@ def test_every_package_is_placed_in_a_layer():
     }
     assert packages <= placed, sorted(packages - placed)
 
-
-def test_checking_a_config_imports_no_vision_processor():
-    # transformers' Qwen2-VL image processor pulls in torchvision and torch._dynamo: seconds that every run and
-    # every --dry-run would pay before its config is even checked (docs/performance.md, start-up). The families
-    # import it where an image is first resized.
-    code = (
-        "import sys\n"
-        "import vlmrl.launch, vlmrl.validate\n"
-        "heavy = ('torchvision', 'torch._dynamo', 'transformers.models.qwen2_vl.image_processing_qwen2_vl', 'vllm')\n"
-        "print(sorted(m for m in heavy if m in sys.modules))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip() == "[]", proc.stdout

@@ -4,6 +4,9 @@ It imports the worker class (``vlmrl.workers.hybrid``) and the group (``vlmrl.wo
 them, from the thread that starts them while the main thread imports the step loop. So those two modules must
 not import transformers (whose lazy imports are not safe from two threads, and which takes seconds) or vLLM at
 import time: their roles' modules are imported in the worker's own process, where they are used.
+
+Before that, checking the config (what ``--dry-run`` and every run do first) imports no vision processor,
+torchvision or vLLM either.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ def test_the_worker_class_and_group_import_without_transformers_or_vllm():
         "import vlmrl.workers.group, vlmrl.workers.hybrid\n"
         "from vlmrl.workers.hybrid import HybridWorker\n"
         "print(json.dumps(sorted(m for m in ('transformers', 'vllm', 'torchvision', 'scipy') if m in sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_checking_a_config_imports_no_vision_processor_torchvision_or_vllm():
+    # transformers' Qwen2-VL image processor pulls in torchvision and torch._dynamo: seconds that every run and
+    # every --dry-run would pay before its config is even checked (docs/performance.md, start-up). The families
+    # import it where an image is first resized.
+    probe = (
+        "import json, sys\n"
+        "import vlmrl.launch, vlmrl.validate\n"
+        "heavy = ('torchvision', 'torch._dynamo', 'transformers.models.qwen2_vl.image_processing_qwen2_vl', 'vllm')\n"
+        "print(json.dumps(sorted(m for m in heavy if m in sys.modules)))\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
