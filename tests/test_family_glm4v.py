@@ -3,8 +3,9 @@
 
 One engine for the module (it is slow to start). What the Qwen families are held to, GLM-4.1V is held to here:
 its positions are the model's own, vLLM expands each image into exactly the dataset's tokens, the actor's
-log-probs equal the engine's on the same tokens, a packed pass equals a padded one, and LoRA trains only its
-adapters. Videos are refused for this family (``vlmrl.models.glm4v``).
+log-probs equal the engine's on the same tokens (also over a three-turn rollout with tool images), a packed pass
+equals a padded one, and LoRA trains only its adapters. Videos are refused for this family (``vlmrl.models.glm4v``),
+and so is the agent endpoint at validation.
 """
 
 from __future__ import annotations
@@ -206,6 +207,49 @@ def test_lora_trains_its_adapters_and_leaves_the_base_and_the_tower_alone(model_
         after, _ = forward_response(model.eval(), sampled, allowed, with_entropy=False)
     real = sampled.response_mask.bool()
     assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
+
+
+def test_a_multi_turn_rollout_with_tool_images_scores_alike_on_the_actor(rollout, samples, processor, hf_model, allowed):
+    # Three turns of at most 8 tokens on the real engine, a tool image after each. The random model runs every turn
+    # to its 8 tokens (seed 0), so each is closed with <|user|> as context and the observation's own <|user|> is
+    # left out (a reply that stops at <|user|> is the scripted case in tests/test_agent_render.py). The actor then
+    # scores the assembled rows, tool images and 3-D positions across the turns, as vLLM sampled them.
+    from helpers import agent_tools
+    from vlmrl.data.dataset import MODEL_INPUT_KEYS
+    from vlmrl.data.media import resize_to_grid
+    from vlmrl.records.views import to_batch
+    from vlmrl.rollout.turns.loop import AgentLoop, Limits
+    from vlmrl.rollout.turns.observations import ConversationRenderer
+    from vlmrl.rollout.turns.tools import ToolRunner, load_tools
+
+    tools = load_tools(["tests/helpers/agent_tools.py:reveal"])
+    sizes = GLM.sizes(processor, MIN_PIXELS, MAX_PIXELS)
+    renderer = ConversationRenderer(
+        processor, chat_template=None, tools=[], template_has_tools=False,
+        resize=lambda image: resize_to_grid(image, sizes), model_input_keys=MODEL_INPUT_KEYS,
+        stop_opens_turn=GLM.stop_opens_turn,
+    )  # fmt: skip
+    config = hf_model.config
+    loop = AgentLoop(
+        rollout, renderer,
+        Limits(max_turns=3, max_response_length=160, max_tokens_per_turn=8, max_tool_response_length=32,
+               max_images=4, tool_timeout=5.0, max_parallel_calls=1),
+        positions=GLM.positions(config).positions, pad_ids=GLM.media_pad_ids(processor.tokenizer),
+        runner=ToolRunner(tools, 5.0), parser=agent_tools.call_reveal,
+    )  # fmt: skip
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=160, want_log_probs=True)
+    trajectories, _ = loop.run(samples[:2], [0, 1], sampling)
+    user = processor.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert all(t.num_turns == 3 and len(t.images) == len(samples[t.group_id].images) + 2 for t in trajectories)
+    for t in trajectories:
+        assert not any(a == b == user for a, b in zip(t.token_ids, t.token_ids[1:])), t.sample_id
+    batch = to_batch(trajectories, max_prompt_length=256, max_response_length=160,
+                     pad_token_id=processor.tokenizer.pad_token_id)  # fmt: skip
+    with torch.no_grad():
+        log_probs, _ = forward_response(hf_model, batch, allowed, with_entropy=False)
+    mask = batch.response_mask.bool()
+    # fp32 on both sides: measured 2e-6 apart at most, over the 96 sampled tokens, as in the single-turn check.
+    torch.testing.assert_close(log_probs[mask], batch.rollout_log_probs[mask], atol=1e-3, rtol=0)
 
 
 def test_glm_passes_validation_for_multi_turn_and_workflows_and_is_refused_the_agent_endpoint(model_dir):
