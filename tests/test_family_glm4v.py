@@ -209,7 +209,9 @@ def test_lora_trains_its_adapters_and_leaves_the_base_and_the_tower_alone(model_
     assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
 
 
-def test_a_multi_turn_rollout_with_tool_images_scores_alike_on_the_actor(rollout, samples, processor, hf_model, allowed):
+def test_a_multi_turn_rollout_with_tool_images_scores_alike_on_the_actor(
+    rollout, samples, processor, hf_model, allowed
+):
     # Three turns of at most 8 tokens on the real engine, a tool image after each. The random model runs every turn
     # to its 8 tokens (seed 0), so each is closed with <|user|> as context and the observation's own <|user|> is
     # left out (a reply that stops at <|user|> is the scripted case in tests/test_agent_render.py). The actor then
@@ -269,7 +271,9 @@ def test_glm_passes_validation_for_multi_turn_and_workflows_and_is_refused_the_a
 
     for config in ("examples/workflow.yaml", "examples/agent_quickstart.yaml"):
         assert not [p for p in problems(config) if "GLM-4.1V" in p], config
-    agent = problems("examples/workflow.yaml", "worker.rollout.workflow=openai_agent", "worker.rollout.workflow_kwargs=null")
+    agent = problems(
+        "examples/workflow.yaml", "worker.rollout.workflow=openai_agent", "worker.rollout.workflow_kwargs=null"
+    )
     [refused] = [p for p in agent if "an agent's calls yet" in p]
     assert "GLM-4.1V" in refused and "worker.rollout.workflow=openai_agent" in refused
     assert "<|user|>" in refused and "use worker.rollout.workflow=multi_turn" in refused
