@@ -3,7 +3,8 @@
 
 One engine for the module (it is slow to start). What the Qwen families are held to, GLM-4.1V is held to here:
 its positions are the model's own, vLLM expands each image into exactly the dataset's tokens, the actor's
-log-probs equal the engine's on the same tokens (also over a three-turn rollout with tool images), a packed pass
+log-probs equal the engine's on the same tokens (also over a three-turn rollout with tool images and over a
+workflow's two turns around a user turn), a packed pass
 equals a padded one, and LoRA trains only its adapters. Videos are refused for this family (``vlmrl.models.glm4v``),
 and so is the agent endpoint at validation.
 """
@@ -251,6 +252,45 @@ def test_a_multi_turn_rollout_with_tool_images_scores_alike_on_the_actor(
         log_probs, _ = forward_response(hf_model, batch, allowed, with_entropy=False)
     mask = batch.response_mask.bool()
     # fp32 on both sides: measured 2e-6 apart at most, over the 96 sampled tokens, as in the single-turn check.
+    torch.testing.assert_close(log_probs[mask], batch.rollout_log_probs[mask], atol=1e-3, rtol=0)
+
+
+def test_a_workflows_user_turn_is_added_once_and_scores_alike_on_the_actor(
+    rollout, samples, processor, hf_model, allowed
+):
+    # tests/fixtures/workflows/workflows.py:LookAgain: an answer of at most 6 tokens, a user turn with a crop of the
+    # row's image (ctx.add_user), an answer again: the first turn either stops at its own <|user|> or is closed with
+    # one as context, and the user turn's rendered <|user|> is left out either way.
+    from vlmrl.data.dataset import MODEL_INPUT_KEYS
+    from vlmrl.data.media import resize_to_grid
+    from vlmrl.records.views import to_batch
+    from vlmrl.rollout.turns.observations import ConversationRenderer
+    from vlmrl.rollout.workflow import OnError, WorkflowRollouts
+    from vlmrl.user_code import load_object
+
+    sizes = GLM.sizes(processor, MIN_PIXELS, MAX_PIXELS)
+    renderer = ConversationRenderer(
+        processor, chat_template=None, tools=[], template_has_tools=False,
+        resize=lambda image: resize_to_grid(image.convert("RGB"), sizes), model_input_keys=MODEL_INPUT_KEYS,
+        stop_opens_turn=GLM.stop_opens_turn,
+    )  # fmt: skip
+    spec = "tests/fixtures/workflows/workflows.py:LookAgain"
+    workflow = WorkflowRollouts(
+        load_object(spec, "test")(), spec, rollout, renderer, positions=GLM.positions(hf_model.config).positions,
+        pad_ids=GLM.media_pad_ids(processor.tokenizer), max_response_length=64, timeout=60.0, on_error=OnError.error,
+    )  # fmt: skip
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=8, want_log_probs=True)
+    trajectories, _ = workflow.rollout(samples[:2], [0, 1], sampling)
+    user = processor.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert [t.num_turns for t in trajectories] == [2, 2, 2, 2]
+    for t in trajectories:
+        assert not any(a == b == user for a, b in zip(t.token_ids, t.token_ids[1:])), t.sample_id
+    batch = to_batch(trajectories, max_prompt_length=256, max_response_length=64,
+                     pad_token_id=processor.tokenizer.pad_token_id)  # fmt: skip
+    with torch.no_grad():
+        log_probs, _ = forward_response(hf_model, batch, allowed, with_entropy=False)
+    mask = batch.response_mask.bool()
+    # fp32 on both sides: measured 2e-6 apart at most, over the 48 sampled tokens (every turn ran to its 6).
     torch.testing.assert_close(log_probs[mask], batch.rollout_log_probs[mask], atol=1e-3, rtol=0)
 
 
