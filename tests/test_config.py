@@ -30,7 +30,7 @@ from vlmrl.config import (
     to_dict,
 )
 from vlmrl.main import main
-from vlmrl.plan import resolve, world_size
+from vlmrl.plan import Cluster, resolve, world_size
 from vlmrl.algos import AdvantageEstimator
 from vlmrl.validate import load_config, logger_problems, validate
 
@@ -635,6 +635,19 @@ def test_resolve_derives_the_step_numbers(tmp_path):
         "notes": (),
     }
     assert {k: v for k, v in plan.as_dict().items() if k in expected} == expected
+
+
+def test_a_ulysses_group_trains_one_share_of_the_update_so_the_plan_counts_per_group(tmp_path):
+    # 4 workers in Ulysses groups of 2: the update's 32 samples (8 prompts x n 4) are split over the 2 groups,
+    # and both workers of a group train the same 16, in micro-batches of 4: 4 of them per worker.
+    args = [QUICKSTART, "data.rollout_batch_size=32", "worker.actor.global_batch_size=8", "worker.rollout.n=4",
+            "trainer.n_gpus_per_node=4", "worker.actor.micro_batch_size_per_device_for_update=4",
+            "worker.actor.padding_free=true", f"trainer.output_dir={tmp_path}"]  # fmt: skip
+    cluster = Cluster(gpus=0, cpus=8)
+    alone = resolve(load_config(args, cluster), cluster)
+    grouped = resolve(load_config([*args, "worker.actor.ulysses_size=2"], cluster), cluster)
+    assert (alone.samples_per_update_per_device, alone.micro_batches_per_update) == (8, 2)
+    assert (grouped.samples_per_update_per_device, grouped.micro_batches_per_update) == (16, 4)
 
 
 def test_resolve_uses_an_explicit_checkpoint_path_made_absolute(tmp_path, monkeypatch):

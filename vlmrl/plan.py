@@ -343,6 +343,7 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
     dev = device(config, cluster)
     a = rollout.async_rl
     servers = a.rollout_workers if a.enable and a.placement == "disaggregated" else 0
+    shards = max(1, world // max(1, actor.ulysses_size))
     return Plan(
         device=dev,
         nnodes=config.trainer.nnodes,
@@ -351,9 +352,10 @@ def resolve(config: Config, cluster: Cluster) -> Plan:
         samples_per_step=samples_per_step,
         samples_per_step_per_device=samples_per_step // world,
         samples_per_update=samples_per_update,
-        samples_per_update_per_device=samples_per_update // world,
+        # The workers of a Ulysses group train the same rows: an update is split over the groups.
+        samples_per_update_per_device=samples_per_update // shards,
         updates_per_step=(samples_per_step // samples_per_update) * actor.ppo_epochs,
-        micro_batches_per_update=samples_per_update // world // actor.micro_batch_size_per_device_for_update,
+        micro_batches_per_update=samples_per_update // shards // actor.micro_batch_size_per_device_for_update,
         old_log_probs_from_update=_old_log_probs_from_update(config),
         critic_warmup=config.trainer.critic_warmup,
         prompts_per_generation=data.mini_rollout_batch_size or data.rollout_batch_size,
