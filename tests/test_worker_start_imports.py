@@ -19,28 +19,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_worker_class_and_group_import_without_transformers_or_vllm():
-    probe = (
-        "import json, sys\n"
-        "import vlmrl.workers.group, vlmrl.workers.hybrid\n"
-        "from vlmrl.workers.hybrid import HybridWorker\n"
-        "print(json.dumps(sorted(m for m in ('transformers', 'vllm', 'torchvision', 'scipy') if m in sys.modules)))\n"
-    )
+def heavy_imports(imports: str, heavy: tuple[str, ...]) -> list[str]:
+    """Which of ``heavy`` a fresh interpreter has in sys.modules after running ``imports``."""
+    probe = f"import json, sys\n{imports}\nprint(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))\n"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_worker_class_and_group_import_without_transformers_or_vllm():
+    imports = "import vlmrl.workers.group, vlmrl.workers.hybrid\nfrom vlmrl.workers.hybrid import HybridWorker"
+    assert heavy_imports(imports, ("transformers", "vllm", "torchvision", "scipy")) == []
 
 
 def test_checking_a_config_imports_no_vision_processor_torchvision_or_vllm():
     # transformers' Qwen2-VL image processor pulls in torchvision and torch._dynamo: seconds that every run and
     # every --dry-run would pay before its config is even checked (docs/performance.md, start-up). The families
     # import it where an image is first resized.
-    probe = (
-        "import json, sys\n"
-        "import vlmrl.launch, vlmrl.validate\n"
-        "heavy = ('torchvision', 'torch._dynamo', 'transformers.models.qwen2_vl.image_processing_qwen2_vl', 'vllm')\n"
-        "print(json.dumps(sorted(m for m in heavy if m in sys.modules)))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    heavy = ("torchvision", "torch._dynamo", "transformers.models.qwen2_vl.image_processing_qwen2_vl", "vllm")
+    assert heavy_imports("import vlmrl.launch, vlmrl.validate", heavy) == []
