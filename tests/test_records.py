@@ -128,8 +128,10 @@ def test_a_row_sent_again_under_a_held_id_replaces_the_held_one_and_its_view():
 def test_the_worker_group_sends_a_row_once_and_again_when_another_trajectory_takes_its_id():
     from vlmrl.workers.group import WorkerGroup
 
+    from vlmrl.config import Config
+
     group = WorkerGroup.__new__(WorkerGroup)  # the driver-side bookkeeping only: no Ray, no workers
-    group.world_size, group.holders = 1, {}
+    group.world_size, group.holders, group.config = 1, {}, Config()  # the default: no Ulysses groups
     rows = [Trajectory.single_turn(prompt(i, [1, 2]), i, 0, [3], "", 1.0) for i in range(2)]
     batch = to_batch(rows, max_prompt_length=2, max_response_length=1, pad_token_id=PAD)
     (first,), _ = group.scatter(batch)
