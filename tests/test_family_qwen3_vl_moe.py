@@ -71,6 +71,9 @@ def rollout(model_dir, allowed):
     from vlmrl.rollout.engine.vllm import VLLMEngine
 
     threads = torch.get_num_threads()
+    # An engine of an earlier module left in a reference cycle would, when collected during this module, tear
+    # down the parallel state this engine sets up ("pipeline model parallel group is not initialized").
+    gc.collect()
     engine = VLLMEngine(
         str(model_dir), dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
         gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
