@@ -11,9 +11,9 @@ and so is the agent endpoint at validation.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
+from helpers.tiny_families import family_engine
 import torch
 from PIL import Image
 from helpers.media import png, write_parquet, write_video
@@ -76,21 +76,7 @@ def samples(tmp_path_factory, model_dir, processor):
 
 @pytest.fixture(scope="module")
 def rollout(model_dir, allowed):
-    from vlmrl.rollout.engine.vllm import VLLMEngine
-
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(model_dir), dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
-        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        allowed_tokens=allowed,
-    )  # fmt: skip
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+    yield from family_engine(model_dir, allowed, dtype="float32", min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
 def test_the_adapter_answers_glms_markers_and_tower(model_dir, processor, hf_model):

@@ -13,9 +13,9 @@ one engine for the module.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
+from helpers.tiny_families import family_engine
 import torch
 from helpers.configs import CPU, QUICKSTART, problems_of
 from helpers.media import png, write_parquet
@@ -227,21 +227,7 @@ def test_validation_refuses_a_float32_engine_on_cpu_and_shared_prompts_naming_th
 
 @pytest.fixture(scope="module")
 def rollout(model_dir, allowed):
-    from vlmrl.rollout.engine.vllm import VLLMEngine
-
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(model_dir), dtype="bfloat16", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
-        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
-        allowed_tokens=allowed, engine_weight=QWEN3_5.engine_weight, recurrent_layers=QWEN3_5.recurrent_layers,
-    )  # fmt: skip  (as the rollout worker builds it)
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+    yield from family_engine(model_dir, allowed, dtype="bfloat16", min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, family=QWEN3_5)
 
 
 def sample(rollout, samples, pad_token_id):

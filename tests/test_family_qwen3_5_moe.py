@@ -9,9 +9,9 @@ weight sync hands vLLM the experts as the actor holds them. One model build and 
 
 from __future__ import annotations
 
-import gc
 
 import pytest
+from helpers.tiny_families import family_engine
 import torch
 from helpers.media import png, write_parquet
 from helpers.trajectories import Response, batch_of
@@ -118,21 +118,7 @@ def test_packed_equals_padded_through_the_sparse_blocks_and_the_experts_get_grad
 
 @pytest.fixture(scope="module")
 def rollout(model_dir, allowed):
-    from vlmrl.rollout.engine.vllm import VLLMEngine
-
-    threads = torch.get_num_threads()
-    engine = VLLMEngine(
-        str(model_dir), dtype="bfloat16", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
-        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
-        allowed_tokens=allowed, engine_weight=MOE.engine_weight, recurrent_layers=MOE.recurrent_layers,
-    )  # fmt: skip  (as the rollout worker builds it)
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+    yield from family_engine(model_dir, allowed, dtype="bfloat16", min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, family=MOE)
 
 
 def sample(rollout, samples, pad_token_id):

@@ -9,9 +9,9 @@ would fail to load or load the experts scrambled. One engine for the module (it 
 
 from __future__ import annotations
 
-import gc
 
 import pytest
+from helpers.tiny_families import family_engine
 import torch
 from helpers.media import png, write_parquet
 from helpers.trajectories import Response, batch_of
@@ -68,24 +68,7 @@ def samples(tmp_path_factory, processor):
 
 @pytest.fixture(scope="module")
 def rollout(model_dir, allowed):
-    from vlmrl.rollout.engine.vllm import VLLMEngine
-
-    threads = torch.get_num_threads()
-    # An engine of an earlier module left in a reference cycle would, when collected during this module, tear
-    # down the parallel state this engine sets up ("pipeline model parallel group is not initialized").
-    gc.collect()
-    engine = VLLMEngine(
-        str(model_dir), dtype="float32", seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
-        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS,
-        allowed_tokens=allowed, engine_weight=MOE.engine_weight,  # as the rollout worker builds it
-    )  # fmt: skip
-    yield engine
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)  # vLLM lowers it to 1 for serving
+    yield from family_engine(model_dir, allowed, dtype="float32", min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS, family=MOE)
 
 
 def sample(rollout, samples, pad_token_id):

@@ -42,3 +42,32 @@ def count_prompt_passes(monkeypatch) -> list[int]:
 
 
 __all__ = ["FAMILIES", "count_prompt_passes", "family_prompts"]
+
+
+def family_engine(model_dir, allowed, *, dtype: str, min_pixels: int, max_pixels: int, family=None):
+    """A family's tiny in-process vLLM engine as the rollout worker builds it, for a module-scoped fixture to
+    ``yield from``; torn down after, with torch's thread count put back (vLLM lowers it to 1 for serving).
+
+    An engine of an earlier module left in a reference cycle would, collected while this one runs, tear down the
+    parallel state this one set up ("pipeline model parallel group is not initialized"): it is collected first.
+    """
+    import gc
+
+    import torch
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    from vlmrl.rollout.engine.vllm import VLLMEngine
+
+    threads = torch.get_num_threads()
+    gc.collect()
+    engine = VLLMEngine(
+        str(model_dir), dtype=dtype, seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
+        gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels, max_pixels=max_pixels,
+        allowed_tokens=allowed,
+        **({"engine_weight": family.engine_weight, "recurrent_layers": family.recurrent_layers} if family else {}),
+    )  # fmt: skip
+    yield engine
+    del engine
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)
