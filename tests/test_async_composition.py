@@ -3,9 +3,9 @@
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
-  server): every trained group's mean
-  reward is inside the filter's bounds, each step still trains its B groups and no token older than the bound,
-  and each step has ReMax's greedy baseline. The reward function makes the filter's choice known in advance:
+  server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
+  every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
+  token older than the bound, and each step has ReMax's greedy baseline. The reward function makes the filter's choice known in advance:
   prompts whose answer is "red" score 1.0 on every sample (a group mean of 1, outside (0.01, 0.99)), every
   other prompt scores between 0.2 and 0.8 (inside); a sub-score ``red`` marks the first kind, so its mean over
   the trained samples, as the step logs it, is 0 exactly when no filtered group trained.
@@ -22,18 +22,14 @@ import time
 
 import pyarrow as pa
 import pytest
+from helpers.async_dapo_remax import PLACEMENTS, STEPS, dapo_remax_steps
 from helpers.configs import CPU, QUICKSTART
-from helpers.runs import REPO, E2E_PROMPTS, E2E_TRAINING, experiment_dir, read_metrics, run_main, tail
+from helpers.runs import REPO, E2E_PROMPTS, experiment_dir, read_metrics, run_main, tail
 
 from vlmrl.validate import load_config
 
 ASYNC = "worker.rollout.async_rl.enable=true"
 AGENT = "config=examples/agent_quickstart.yaml"
-STEPS = 3
-PLACEMENTS = {
-    "colocated": [],
-    "disaggregated": ["worker.rollout.async_rl.placement=disaggregated", "worker.rollout.async_rl.rollout_workers=1"],
-}
 
 
 @pytest.fixture(autouse=True)
@@ -70,32 +66,10 @@ def test_agents_and_workflow_classes_validate_under_async_colocated(kind):
     load_config([kind, ASYNC], CPU)
 
 
-FILTER_REWARD = textwrap.dedent(
-    """
-    def compute_score(reward_input, **quickstart_kwargs):
-        truth = reward_input["ground_truth"].lower()
-        if truth == "red":  # every sample 1.0: the group's mean is outside (0.01, 0.99), online filtering drops it
-            return {"overall": 1.0, "red": 1.0}
-        response = reward_input["response"].lower()
-        overlap = len(set(response) & set(truth)) / len(set(truth))
-        return {"overall": 0.2 + 0.6 * overlap, "red": 0.0}  # inside the bounds whatever the samples say
-    """
-)
-
-
 @pytest.fixture(scope="module", params=sorted(PLACEMENTS))
 def dapo_remax(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"async_dapo_remax_{request.param}")
-    (tmp / "reward.py").write_text(FILTER_REWARD)
-    proc = run_main(
-        tmp / "out", *E2E_TRAINING, f"trainer.max_steps={STEPS}", ASYNC, *PLACEMENTS[request.param],
-        "algorithm.online_filtering=true", "algorithm.adv_estimator=remax",
-        f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
-        "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
-        experiment="dapo_remax", timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, tail(proc)
-    return [m for m in read_metrics(tmp / "out", "dapo_remax") if "actor/pg_loss" in m]
+    """The run of both at once (tests/helpers/async_dapo_remax.py), shared with tests/test_async_disaggregated.py."""
+    return dapo_remax_steps(request.param, tmp_path_factory)
 
 
 def test_async_online_filtering_trains_only_groups_inside_the_bounds_and_fills_each_step(dapo_remax):
