@@ -29,14 +29,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import peft
 import torch
-from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 from vlmrl.config import LoraConfig
 from vlmrl.models import family_of
+
+# peft (and the transformers auto classes it pulls in) is seconds of import: imported by the functions that use
+# it, so that a run without LoRA (the driver, and every worker) never pays for it.
+if TYPE_CHECKING:
+    import peft
 
 ADAPTER = "default"
 """peft's name for the one adapter vlmrl trains."""
@@ -45,6 +48,8 @@ ADAPTER = "default"
 def peft_config(cfg: LoraConfig, family_exclude: str | None = None) -> peft.LoraConfig:
     """The peft config of a ``model.lora`` section (rank > 0); without the section's own exclude_modules, the
     model family's (``Family.lora_exclude``: the vision tower)."""
+    import peft
+
     targets = cfg.target_modules.strip()
     return peft.LoraConfig(
         r=cfg.rank,
@@ -69,6 +74,10 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig, key: str = "worker.actor.m
     is not a Linear layer (``merged_weights`` merges Linear adapters only);
     the message names the config section ``key``.
     """
+    import peft
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     try:
         config = peft_config(cfg, family_of(model.config).lora_exclude)
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -99,6 +108,8 @@ def adapters_disabled(model: torch.nn.Module):
     also resets the adapters' ``requires_grad``; the flags are put back as
     they were, so a frozen adapter (``freeze_vision_tower``) stays frozen.
     """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
     for m in layers:
