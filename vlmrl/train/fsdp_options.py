@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,23 +239,3 @@ def offloaders(
             functools.partial(move_optimizer_states, optimizer), device, offload.offload_optimizer and not host
         )
     return parts
-
-
-def uses(*names: str) -> Callable:
-    """Decorates a worker method: the worker's ``offloaders[name]`` parts are on the device during the call.
-
-    Names the worker does not have (no critic in this run) are skipped.
-    """
-
-    def decorate(method: Callable) -> Callable:
-        @functools.wraps(method)
-        def call(self, *args, **kwargs):
-            with ExitStack() as stack:
-                for name in names:
-                    if name in self.offloaders:
-                        stack.enter_context(self.offloaders[name].on_device())
-                return method(self, *args, **kwargs)
-
-        return call
-
-    return decorate

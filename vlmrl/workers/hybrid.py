@@ -23,7 +23,7 @@ from vlmrl.heap import freeze_survivors, started
 from vlmrl.plan import Plan
 from vlmrl.records import PromptSample, Trajectory
 from vlmrl.rollout.engine import InterruptMode, Sampling
-from vlmrl.train.fsdp_options import uses
+from vlmrl.train.on_device import uses
 
 if TYPE_CHECKING:
     from vlmrl.train import actor as actor_passes

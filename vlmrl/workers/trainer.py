@@ -31,7 +31,8 @@ from vlmrl.train import critic as critic_passes
 from vlmrl.train import lora as lora_adapters
 from vlmrl.train import ulysses
 from vlmrl.train.critic import ValueModel
-from vlmrl.train.fsdp_options import Meshes, ShardOptions, offloaders, shard, uses, with_host_collectives
+from vlmrl.train.fsdp_options import Meshes, ShardOptions, offloaders, shard, with_host_collectives
+from vlmrl.train.on_device import uses
 from vlmrl.train.lr_schedule import LRSchedule, ScheduleState, set_lr
 from vlmrl.train.image_features import share_image_features
 from vlmrl.train.models import load_pretrained, load_processor, tokenizer_of
