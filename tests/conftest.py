@@ -88,6 +88,18 @@ def sigterm_run(quickstart_assets, tmp_path_factory) -> SigtermRun:
 
 
 @pytest.fixture
+def local_ray():
+    """A fresh 2-CPU local Ray cluster for one test (any cluster an earlier test left is shut down first)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
 def manager():
     """Build managers that are closed (their reward processes stopped) after the test."""
     built = []

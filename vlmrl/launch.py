@@ -290,9 +290,10 @@ def _run(config, plan, hooks) -> int:
                     **options,
                 )
     print(f"vlmrl: {plan.experiment_dir} (engine logs: {log_path})", flush=True)
+    started = _start_workers_early(config, plan)
     # Three threads: run, request_stop and take_console can each arrive while the others wait.
     runner = ray.remote(Runner).options(num_cpus=0, max_concurrency=3).remote()
-    done = runner.run.remote(config, plan, hooks)
+    done = runner.run.remote(config, plan, hooks, started)
     view = ConsoleView(verbose)
     try:
         with _stop_on_signals(lambda: runner.request_stop.remote()):
@@ -309,10 +310,37 @@ def _run(config, plan, hooks) -> int:
         print(f"vlmrl: the run failed; the engines' logs are in {log_path}", file=sys.stderr, flush=True)
         raise
     finally:
-        # The Runner owns the run's actors and placement groups; they go with it. On a cluster that outlives the
-        # run (vlmrl.api.train, a joined cluster) they would otherwise hold its CPUs and block the next run.
+        # The Runner owns the run's other actors and placement groups, and this process the workers it started;
+        # they go with them. On a cluster that outlives the run (vlmrl.api.train, a joined cluster) they would
+        # otherwise hold its CPUs and block the next run.
         ray.kill(runner)
+        if started is not None:
+            started.stop()
     return 0
+
+
+EARLY_PLACEMENT_S = 5.0
+"""How long the driver waits to place the workers itself before leaving it to the Runner (which waits longer)."""
+
+
+def _start_workers_early(config, plan):
+    """The workers' actors, created as soon as this process has joined Ray, or None where the Runner creates them.
+
+    A worker's start (imports, models, engine) is most of a short run's, and the Runner's own start (its process,
+    the step loop's imports, the data, the loggers) runs beside it instead of before it. Left to the Runner: a run
+    that resumes (it checks the checkpoint, and whether any training is left, before any worker starts) and one
+    whose workers the cluster cannot place at once (the Runner waits for them, and says why it cannot).
+    """
+    trainer = config.trainer
+    checkpoints = Path(plan.checkpoint_dir)
+    if trainer.load_checkpoint_path or (trainer.find_last_checkpoint and any(checkpoints.glob("global_step_*"))):
+        return None
+    from vlmrl.workers.group import PlacementTimeout, start_workers
+
+    try:
+        return start_workers(config, plan, placement_timeout_s=EARLY_PLACEMENT_S)
+    except PlacementTimeout:
+        return None
 
 
 def _splits_session(hooks) -> bool:

@@ -3,11 +3,13 @@
 Building here rather than in the driver script keeps the driver process light
 and makes the same code path serve a local cluster and a remote one.
 
-Start-up is most of a short run, so the pieces start side by side: the worker
-actors are created first (each imports torch, transformers and vLLM and loads
-its models) while this process reads the data, and the reward actors start
-while the workers are still loading. The Runner's own lines reach the user's
-terminal through ``take_console`` (``vlmrl.driver.console``).
+Start-up is most of a short run, so the pieces start side by side: the driver
+creates the worker actors as soon as it has joined Ray (each imports torch,
+transformers and vLLM and loads its models) and this process starts beside
+them, reads the data and starts the reward actors while the workers are still
+loading. A run that resumes has its workers created here, after the checks of
+its checkpoint. The Runner's own lines reach the user's terminal through
+``take_console`` (``vlmrl.driver.console``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vlmrl.plan import Plan, describe
 if TYPE_CHECKING:
     from vlmrl.data.dataset import RLHFDataset
     from vlmrl.driver.hooks import RunHooks
+    from vlmrl.workers.group import StartedWorkers
 
 
 def _dataset(config: Config, files: str, processor) -> RLHFDataset:
@@ -93,7 +96,11 @@ class Runner:
         """Finish the current step, save a checkpoint, and return from ``run``."""
         self.stop_requested.set()
 
-    def run(self, config: Config, plan: Plan, hooks: RunHooks | None = None) -> None:
+    def run(
+        self, config: Config, plan: Plan, hooks: RunHooks | None = None, prestarted: StartedWorkers | None = None
+    ) -> None:
+        """Train to the end. ``prestarted``: the workers the driver has already created (``start_workers``);
+        without them they are created here."""
         from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state
         from vlmrl.driver.resume import check_resume
         from vlmrl.driver.reward_model import reward_model_link, start_reward_model
@@ -123,8 +130,8 @@ class Runner:
             if finished:
                 print(finished, flush=True)
                 return
-        # The workers start (a minute or more) while this process imports the step loop, reads the data and
-        # starts the reward actors. What the starting thread imports is imported here first, as transformers'
+        # The workers start (a minute or more; the driver's are already starting) while this process imports the
+        # step loop, reads the data and starts the reward actors. What the starting thread imports is imported here first, as transformers'
         # lazy imports are not safe from two threads: the workers' class (which leaves its roles' imports to
         # the worker processes, so this is quick) and, disaggregated, the rollout servers' module.
         import vlmrl.workers.hybrid  # noqa: F401
@@ -133,7 +140,7 @@ class Runner:
             import vlmrl.workers.rollout_pool  # noqa: F401
 
         background = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-start")
-        starting = background.submit(WorkerGroup, config, plan)
+        starting = background.submit(WorkerGroup, config, plan, prestarted)
         background.shutdown(wait=False)
         tracker = None
         try:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import ray
@@ -43,6 +44,7 @@ from vlmrl.workers.store import PassInput
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from vlmrl.workers.rollout_pool import RolloutPool
     from vlmrl.train.actor import UpdateSettings
     from vlmrl.train.critic import CriticSettings
 
@@ -76,6 +78,10 @@ def _cluster_summary() -> str:
     return f"{len(nodes)} node(s) ({'; '.join(parts)}), free now {free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU"
 
 
+class PlacementTimeout(RuntimeError):
+    """The cluster did not place the workers' placement groups in time."""
+
+
 class WorkerTimeout(RuntimeError):
     """A worker call ran past trainer.step_timeout_s."""
 
@@ -83,7 +89,11 @@ class WorkerTimeout(RuntimeError):
 class ResourcePool:
     """One placement group per node, each of ``per_node`` bundles (1 CPU, plus 1 GPU on GPU nodes)."""
 
-    def __init__(self, nnodes: int, per_node: int, device: str, run_name: str = "run"):
+    def __init__(
+        self, nnodes: int, per_node: int, device: str, run_name: str = "run", timeout_s: float | None = None
+    ):
+        """``timeout_s``: how long to wait for the placement (None: ``PLACEMENT_TIMEOUT_S``)."""
+        timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.per_node = per_node
         self.run_name = run_name
@@ -94,14 +104,14 @@ class ResourcePool:
             placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)
         ]
         try:
-            ray.get([g.ready() for g in self.groups], timeout=PLACEMENT_TIMEOUT_S)
+            ray.get([g.ready() for g in self.groups], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             for g in self.groups:  # a pending group would hold its resources' claim after the run has failed
                 remove_placement_group(g)
-            raise RuntimeError(
+            raise PlacementTimeout(
                 f"the cluster cannot place the workers: asked for {nnodes} node(s) with {per_node} x {bundle} each "
                 f"(trainer.nnodes x trainer.n_gpus_per_node, one worker per bundle, a node's bundles on one node), "
-                f"waited {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {_cluster_summary()}. Lower trainer.nnodes or "
+                f"waited {timeout_s:.0f} s; the cluster has {_cluster_summary()}. Lower trainer.nnodes or "
                 "trainer.n_gpus_per_node, or add nodes (ray status shows what each has)"
             ) from None
 
@@ -181,10 +191,66 @@ def _join_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class StartedWorkers:
+    """The run's worker actors (and, disaggregated, its rollout servers): created, perhaps still loading."""
+
+    pool: ResourcePool
+    workers: list
+    servers: list
+
+    def stop(self) -> None:
+        """Kill them and free their placement groups (what a finished or failed run leaves)."""
+        for actor in self.workers + self.servers:
+            ray.kill(actor)
+        self.pool.release()
+
+
+def start_workers(config: Config, plan: Plan, placement_timeout_s: float | None = None) -> StartedWorkers:
+    """Place and create the workers (and rollout servers) without waiting for them to load.
+
+    Their start-up (imports, the models, the engine) is most of a short run's, so the driver calls this as soon
+    as it has joined Ray, and the Runner's own start runs beside it; ``WorkerGroup`` waits for them.
+    """
+    pool = ResourcePool(
+        plan.nnodes, plan.workers_per_node, plan.device, config.trainer.experiment_name, placement_timeout_s
+    )
+    init_method, rendezvous_env = pool.rendezvous()
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
+        # heavy passes while the other actors wait, so it gets its share of the node's cores.
+        "OMP_NUM_THREADS": str(plan.threads_per_worker),
+        "TOKENIZERS_PARALLELISM": "false",
+        **rendezvous_env,
+    }
+    # Disaggregated: the rollout servers start first, beside the workers, which build no engine and push
+    # their weights to these handles.
+    servers = []
+    if plan.rollout_servers:
+        from vlmrl.workers.rollout_pool import start_servers
+
+        servers = start_servers(config, plan)
+    remote_cls = ray.remote(HybridWorker)
+    workers = [
+        remote_cls.options(
+            num_cpus=1,
+            num_gpus=1 if plan.device == "cuda" else 0,
+            scheduling_strategy=pool.strategy(rank),
+            runtime_env={"env_vars": env},
+            name=f"hybrid_worker_{rank}_{os.getpid()}_{id(pool)}",
+        ).remote(config, plan, rank, init_method, servers or None)
+        for rank in pool.ranks()
+    ]
+    return StartedWorkers(pool, workers, servers)
+
+
 class WorkerGroup:
     """The driver's handle on the hybrid workers: one generic scatter / call / gather, and the step's calls on it."""
 
-    def __init__(self, config: Config, plan: Plan):
+    def __init__(self, config: Config, plan: Plan, started: StartedWorkers | None = None):
+        """``started``: the workers ``start_workers`` already created (the driver does, as soon as it joins Ray);
+        without it they are created here."""
         # Light on purpose: the workers' class imports what its roles need in the worker processes, so the
         # driver starts them without first importing transformers, torchvision and SciPy itself (the Runner
         # imports those while the workers start; vlmrl.driver.runner).
@@ -193,40 +259,18 @@ class WorkerGroup:
         self.world_size = plan.world_size
         self.call_timeout: float | None = config.trainer.step_timeout_s
         self.tensor_parallel_size = plan.tensor_parallel_size
-        self.pool = ResourcePool(plan.nnodes, plan.workers_per_node, plan.device, config.trainer.experiment_name)
-        init_method, rendezvous_env = self.pool.rendezvous()
-        env = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            # Ray sets OMP_NUM_THREADS to the actor's CPU count; the worker runs the
-            # heavy passes while the other actors wait, so it gets its share of the node's cores.
-            "OMP_NUM_THREADS": str(plan.threads_per_worker),
-            "TOKENIZERS_PARALLELISM": "false",
-            **rendezvous_env,
-        }
-        # Disaggregated: the rollout servers start first, beside the workers, which build no engine and push
-        # their weights to these handles.
-        servers = []
-        if plan.rollout_servers:
-            from vlmrl.workers.rollout_pool import RolloutPool, start_servers
-
-            servers = start_servers(config, plan)
-        remote_cls = ray.remote(HybridWorker)
-        self.workers = [
-            remote_cls.options(
-                num_cpus=1,
-                num_gpus=1 if plan.device == "cuda" else 0,
-                scheduling_strategy=self.pool.strategy(rank),
-                runtime_env={"env_vars": env},
-                name=f"hybrid_worker_{rank}_{os.getpid()}_{id(self)}",
-            ).remote(config, plan, rank, init_method, servers or None)
-            for rank in self.pool.ranks()
-        ]
+        started = started or start_workers(config, plan)
+        self.pool, self.workers, servers = started.pool, started.workers, started.servers
         self._wait_started(config, servers)
         if servers:  # the collective weight transfer's group of rank 0 and the servers (the object store needs none)
             ray.get(self.workers[0].open_weight_group.remote(), timeout=config.trainer.start_timeout_s)
         self.pad_token_id = ray.get(self.workers[0].pad_token_id.remote())
-        self.rollout_pool = RolloutPool(servers, config, self.pad_token_id) if servers else None
+        self.rollout_pool: RolloutPool | None = None
         """Disaggregated: the rollout servers, which generate every rollout; None: the workers' own engines."""
+        if servers:
+            from vlmrl.workers.rollout_pool import RolloutPool
+
+            self.rollout_pool = RolloutPool(servers, config, self.pad_token_id)
         self.holders: dict[str, tuple[Trajectory, set[int]]] = {}
         """Each row a worker holds this step: sample id -> (the trajectory the workers hold, their ranks).
         A batch that brings another trajectory under a held id sends it again, so no worker scores a stale row."""
