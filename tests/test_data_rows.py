@@ -287,14 +287,14 @@ def test_a_row_check_process_that_is_killed_fails_the_check_instead_of_hanging(t
     import os
     import signal
 
-    check = RLHFDataset.check
+    check_rows = RLHFDataset.check_rows
 
-    def dies_on_row_3(self, row_id):
-        if row_id == 3:
+    def dies_on_row_3(self, row_ids):
+        if 3 in row_ids:
             os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would, in the forked checker
-        return check(self, row_id)
+        return check_rows(self, row_ids)
 
-    monkeypatch.setattr(RLHFDataset, "check", dies_on_row_3)
+    monkeypatch.setattr(RLHFDataset, "check_rows", dies_on_row_3)
     files = write_jsonl(tmp_path / "d.jsonl", [{"problem": f"q{i}", "answer": str(i)} for i in range(8)])
     with pytest.raises(DataError, match="a row-check process died .* lower data.filter_overlong_prompts_workers"):
         dataset(files, processor, filter_overlong_prompts_workers=2)

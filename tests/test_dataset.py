@@ -9,6 +9,7 @@ patch tokens) are the same text with the same images in the same order.
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -465,3 +466,46 @@ def test_loader_rejects_a_batch_larger_than_the_dataset_naming_the_files(text_da
     with pytest.raises(ValueError) as info:
         make_loader(text_dataset, batch_size=13, shuffle=False, seed=0, drop_last=True)
     assert text_dataset.files in str(info.value) and "12 usable rows" in str(info.value)
+
+
+def test_the_batched_start_up_check_gives_each_row_what_checking_it_alone_gives(tmp_path, processor, monkeypatch):
+    # check_rows processes CHECK_BATCH rows' images in one processor call; every row must get check()'s own
+    # result and message: ok, long (by its image tokens too), and each kind of bad row, in batches that straddle.
+    import vlmrl.data.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "CHECK_BATCH", 3)
+    rows = [
+        {"problem": "<image>same", "answer": "small", "images": [png(56, 56)]},  # 4 image tokens
+        {"problem": "<image>same", "answer": "big", "images": [png(112, 112)]},  # 16: long at the limit below
+        {"problem": "no picture", "answer": "text", "images": []},
+        {"problem": "<image><image>two", "answer": "two", "images": [png(56, 56), png(84, 56)]},
+        {"problem": "<image><image>one short", "answer": "bad", "images": [png(56, 56)]},  # placeholder count
+        {"problem": "   ", "answer": "empty"},  # an empty prompt
+        {"problem": "<image>broken", "answer": "bad", "images": [b"not a png"]},  # unreadable
+        {"problem": "<image>" + "long " * 40, "answer": "long text", "images": [png(56, 56)]},
+    ]
+    files = write_parquet(tmp_path / "d.parquet", rows)
+    data = dataset(files, processor, filter_overlong_prompts=False, on_bad_sample="skip")
+    lengths = {r: len(data.sample(r).input_ids) for r in (0, 1, 2, 3, 7)}
+    data.max_prompt_length = max(lengths[r] for r in (0, 2, 3))  # rows 0, 2 and 3 fit exactly or under
+    assert min(lengths[1], lengths[7]) > data.max_prompt_length, lengths  # rows 1 and 7 are longer
+    alone = [data.check(r) for r in range(len(rows))]
+    assert [status for _, status, _ in alone] == ["ok", "long", "ok", "ok", "bad", "bad", "bad", "long"]
+
+    class Counting:  # the processor, counting the texts of each call
+        def __init__(self, real):
+            self.real, self.texts = real, []
+
+        def __call__(self, *args, **kwargs):
+            self.texts.append(len(kwargs["text"]))
+            return self.real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    def same(results):  # PIL names the BytesIO it could not read by its address, new at every read
+        return [(r, status, re.sub(r"0x[0-9a-f]+", "0x...", message)) for r, status, message in results]
+
+    data.processor = counting = Counting(data.processor)
+    assert same(data.check_rows(list(range(len(rows))))) == same(alone)
+    assert max(counting.texts) > 1  # the rows' images did go to the processor together

@@ -24,6 +24,7 @@ import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +90,33 @@ def answer_text(answer: Any) -> str:
     return str(answer)
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A row checked and rendered, its media loaded: what the processor is called on."""
+
+    row_id: int
+    row: dict
+    where: str
+    prompt: str
+    answer: Any
+    images: list
+    videos: list
+    text: str
+    raw_prompt_ids: list[int]
+
+
+CHECK_BATCH = 64
+"""Rows the start-up check gives the processor in one call: a call's own overhead (its keyword handling) costs more
+than a small row's images, so one call per row made the check several times slower."""
+
+
 # The dataset being checked, for the forked processes of the start-up check.
 _CHECKING: RLHFDataset | None = None
 
 
 def _check_rows(row_ids: list[int]) -> list[tuple[int, str, str]]:
     assert _CHECKING is not None
-    return [_CHECKING.check(r) for r in row_ids]
+    return _CHECKING.check_rows(row_ids)
 
 
 class RLHFDataset(torch.utils.data.Dataset):
@@ -215,15 +236,67 @@ class RLHFDataset(torch.utils.data.Dataset):
         """(row_id, "ok" | "long" | "bad", message)."""
         try:
             sample = self.sample(row_id, check_length=False)
-            if len(sample.input_ids) > self.max_prompt_length:
-                return (
-                    row_id,
-                    "long",
-                    f"{self.where(row_id)}: {len(sample.input_ids)} tokens",
-                )
-            return row_id, "ok", ""
         except BadRowError as e:
             return row_id, "bad", str(e)
+        return self._length_status(row_id, len(sample.input_ids))
+
+    def _length_status(self, row_id: int, tokens: int) -> tuple[int, str, str]:
+        if tokens > self.max_prompt_length:
+            return row_id, "long", f"{self.where(row_id)}: {tokens} tokens"
+        return row_id, "ok", ""
+
+    def check_rows(self, row_ids: list[int]) -> list[tuple[int, str, str]]:
+        """``check`` of each row, the same results, with the rows' images processed ``CHECK_BATCH`` rows to a call.
+
+        A row the batch cannot settle (a video, a text model's row, media tokens that do not match its media, a
+        batch the processor rejects) is checked alone, so its result and message are ``check``'s own.
+        """
+        results: dict[int, tuple[int, str, str]] = {}
+        for start in range(0, len(row_ids), CHECK_BATCH):
+            batch: list[_Prepared] = []
+            for row_id in row_ids[start : start + CHECK_BATCH]:
+                try:
+                    prepared = self._prepare(row_id, check_length=False)
+                except BadRowError as e:
+                    results[row_id] = (row_id, "bad", str(e))
+                    continue
+                if isinstance(prepared, PromptSample):  # a text model's row, whole already
+                    results[row_id] = self._length_status(row_id, len(prepared.input_ids))
+                elif prepared.videos:
+                    results[row_id] = self.check(row_id)
+                else:
+                    batch.append(prepared)
+            for prepared, status in zip(batch, self._check_batch(batch), strict=True):
+                results[prepared.row_id] = status or self.check(prepared.row_id)
+        return [results[r] for r in row_ids]
+
+    def _check_batch(self, batch: list[_Prepared]) -> list[tuple[int, str, str] | None]:
+        """Each row's ``check`` result from one processor call on them all; None where it cannot tell."""
+        if not batch:
+            return []
+        images = [image for prepared in batch for image in prepared.images]
+        try:
+            out = self.processor(
+                text=[prepared.text for prepared in batch], return_tensors="pt", do_resize=False, padding=True,
+                **({"images": images} if images else {}),
+            )  # fmt: skip
+        except (ValueError, TypeError, RuntimeError):
+            return [None] * len(batch)  # a row's media the processor rejects: found row by row
+        grids = out.get("image_grid_thw")
+        results: list[tuple[int, str, str] | None] = []
+        first_image = 0
+        for i, prepared in enumerate(batch):
+            input_ids = out["input_ids"][i][out["attention_mask"][i].bool()].tolist()
+            count = len(prepared.images)
+            mm_inputs = {"image_grid_thw": grids[first_image : first_image + count]} if count else {}
+            first_image += count
+            try:
+                self.rotary.positions(input_ids, mm_inputs)
+            except ValueError:
+                results.append(None)  # a bad row: check says so in its own words
+                continue
+            results.append(self._length_status(prepared.row_id, len(input_ids)))
+        return results
 
     def _check_all(self, workers: int, drop_long: bool = True) -> list[int]:
         """Check every row; return the usable ones. Fills ``overlong`` (with ``drop_long``) and ``skipped``."""
@@ -249,7 +322,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             finally:
                 _CHECKING = None
         else:
-            results = [self.check(r) for r in row_ids]
+            results = self.check_rows(row_ids)
         keep = []
         for row_id, status, message in results:
             if status == "ok" or (status == "long" and not drop_long):  # not filtering: found when it is read
@@ -277,6 +350,15 @@ class RLHFDataset(torch.utils.data.Dataset):
 
     def sample(self, row_id: int, *, check_length: bool = True) -> PromptSample:
         """Row ``row_id`` of the sources (before filtering) as a PromptSample."""
+        prepared = self._prepare(row_id, check_length)
+        if isinstance(prepared, PromptSample):  # a text model's row
+            return prepared
+        out = self._process(prepared.text, prepared.images, prepared.videos, prepared.where)
+        return self._finish(prepared, out, check_length)
+
+    def _prepare(self, row_id: int, check_length: bool) -> _Prepared | PromptSample:
+        """Everything of ``sample`` before the processor: the row's checks, its media and its rendered prompt (a
+        text model's row is whole already)."""
         row = self.rows.table[row_id]
         where = self.where(row_id)
         prompt = row.get(self.prompt_key)
@@ -321,7 +403,14 @@ class RLHFDataset(torch.utils.data.Dataset):
                     f"use {IMAGE_PLACEHOLDER} / {VIDEO_PLACEHOLDER}",
                 )  # fmt: skip
 
-        out = self._process(text, images, videos, where)
+        return _Prepared(row_id, row, where, prompt, answer, images, videos, text, raw_prompt_ids)
+
+    def _finish(self, prepared: _Prepared, out: dict, check_length: bool) -> PromptSample:
+        """The PromptSample of a prepared row from the processor's output for it."""
+        row_id, row, where, prompt, answer = (
+            prepared.row_id, prepared.row, prepared.where, prepared.prompt, prepared.answer
+        )  # fmt: skip
+        images, videos, text, raw_prompt_ids = prepared.images, prepared.videos, prepared.text, prepared.raw_prompt_ids
         input_ids = out["input_ids"][0].tolist()
         if check_length and len(input_ids) > self.max_prompt_length:
             raise OverlongPromptError(
