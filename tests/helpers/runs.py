@@ -25,9 +25,14 @@ SMALL = [
 ]
 
 
+TEST_LOGGERS = "trainer.logger=[console,file]"
+"""The loggers of a test run that names none: the quickstart's without MLflow, whose import and new store cost a
+run seconds of CPU. The runs that check MLflow (the e2e run, the resume and SIGTERM runs) name it."""
+
+
 def main_command(output_dir: Path, *overrides: str, experiment: str = "run") -> list[str]:
     return [
-        sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml",
+        sys.executable, "-m", "vlmrl.main", "config=examples/quickstart.yaml", TEST_LOGGERS,
         f"trainer.output_dir={output_dir}", f"trainer.experiment_name={experiment}", *overrides,
     ]  # fmt: skip
 
