@@ -1,12 +1,13 @@
-"""The Runner creates the workers before it imports the heavy libraries (vlmrl.driver.runner).
+"""What the processes that start a run import before the workers start (docs/performance.md, start-up).
 
-It imports the worker class (``vlmrl.workers.hybrid``) and the group (``vlmrl.workers.group``) before it starts
-them, from the thread that starts them while the main thread imports the step loop. So those two modules must
-not import transformers (whose lazy imports are not safe from two threads, and which takes seconds) or vLLM at
-import time: their roles' modules are imported in the worker's own process, where they are used.
+The driver creates the workers as soon as it has joined Ray (``vlmrl.launch``), and a resumed run's Runner from
+the thread that starts them while its main thread imports the step loop. So the worker class
+(``vlmrl.workers.hybrid``) and the group (``vlmrl.workers.group``) must not import transformers (whose lazy imports
+are not safe from two threads, and which takes seconds), vLLM or FSDP at import time: their roles' modules are
+imported in the worker's own process, where they are used.
 
 Before that, checking the config (what ``--dry-run`` and every run do first) imports no vision processor,
-torchvision or vLLM either.
+torchvision, vLLM, datasets or aiohttp either, and no run without LoRA imports peft.
 """
 
 from __future__ import annotations
@@ -29,12 +30,22 @@ def heavy_imports(imports: str, heavy: tuple[str, ...]) -> list[str]:
 
 def test_the_worker_class_and_group_import_without_transformers_or_vllm():
     imports = "import vlmrl.workers.group, vlmrl.workers.hybrid\nfrom vlmrl.workers.hybrid import HybridWorker"
-    assert heavy_imports(imports, ("transformers", "vllm", "torchvision", "scipy")) == []
+    heavy = ("transformers", "vllm", "torchvision", "scipy", "torch.distributed.fsdp")
+    assert heavy_imports(imports, heavy) == []
 
 
 def test_checking_a_config_imports_no_vision_processor_torchvision_or_vllm():
     # transformers' Qwen2-VL image processor pulls in torchvision and torch._dynamo: seconds that every run and
     # every --dry-run would pay before its config is even checked (docs/performance.md, start-up). The families
     # import it where an image is first resized.
-    heavy = ("torchvision", "torch._dynamo", "transformers.models.qwen2_vl.image_processing_qwen2_vl", "vllm")
+    # datasets (through the data loader's module) and aiohttp (through the agent endpoint's) are seconds more.
+    heavy = (
+        "torchvision", "torch._dynamo", "transformers.models.qwen2_vl.image_processing_qwen2_vl", "vllm", "datasets",
+        "aiohttp",
+    )  # fmt: skip
     assert heavy_imports("import vlmrl.launch, vlmrl.validate", heavy) == []
+
+
+def test_the_step_loop_and_the_trainer_import_no_peft_without_lora():
+    # peft and the transformers auto classes it imports: seconds in the Runner and in every worker.
+    assert heavy_imports("import vlmrl.driver.loop, vlmrl.workers.trainer", ("peft",)) == []

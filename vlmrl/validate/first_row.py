@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.data.sources import BUILDERS
 
 __all__ = ["FirstRow", "first_row"]
 
@@ -38,7 +37,11 @@ def first_row(train_files: str) -> FirstRow | None:
         if path.is_dir():
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
                 return _saved(path)
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDERS and not p.name.startswith("."))
+            # The file types the data loader reads (vlmrl.data.sources.BUILDERS, whose module imports datasets:
+            # seconds that every config check would pay).
+            files = sorted(
+                p for p in path.rglob("*") if p.is_file() and p.suffix in _READERS and not p.name.startswith(".")
+            )
             path = files[0] if files else path
         if not path.is_file():
             return None  # a hub dataset, or a path the path checks report

@@ -67,13 +67,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmrl.rollout.agents.child import KEY, AgentLLM, check_agent, describe
 from vlmrl.rollout.agents.pool import AgentProcesses
 from vlmrl.rollout.agents.traces import Call
-from vlmrl.rollout.endpoint.server import AgentEndpoint
 from vlmrl.user_code import UserCodeError, load_object
+
+if TYPE_CHECKING:  # the endpoint's module imports aiohttp: the config check imports this one
+    from vlmrl.rollout.endpoint.server import AgentEndpoint
 
 __all__ = [
     "AgentLLM",
