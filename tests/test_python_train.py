@@ -1,5 +1,6 @@
 """``vlmrl.api.train``: one training from Python, in this process, with the data, the reward function and the
-workflow class given as objects, or the config as a mapping; everything checked before Ray starts."""
+workflow class given as objects, and the config as a mapping; everything checked before Ray starts. One training
+(a module fixture) serves the tests of the objects and of the mapping."""
 
 from __future__ import annotations
 
@@ -49,16 +50,28 @@ def test_a_bad_row_given_as_an_object_is_named_by_its_file_and_row(quickstart_as
     assert written.is_file() and f"{written} row 2, key 'images'" in str(e.value), str(e.value)[-2000:]
 
 
-def test_a_workflow_reward_and_rows_given_as_objects_train(quickstart_assets, tmp_path):
+@pytest.fixture(scope="module")
+def trained(quickstart_assets, tmp_path_factory):
+    """One in-process training that both tests below read: the config as a mapping with mapping overrides, the
+    rows, the workflow class and the reward function as objects."""
+    tmp = tmp_path_factory.mktemp("python_train")
+    with open("examples/quickstart.yaml") as f:
+        config = yaml.safe_load(f)  # the quickstart as a mapping, its ${tiny:...} paths included
+    config["trainer"]["experiment_name"] = "from_a_mapping"
     workflow = load_object(f"{FILE}:LookAgain", "test")
     reward = load_object(f"{FILE}:logging_reward", "test")
-    log = tmp_path / "calls.jsonl"
+    log = tmp / "calls.jsonl"
     result = train(
-        "examples/quickstart.yaml",
-        {**SMALL, "trainer.output_dir": str(tmp_path / "out"), "data.max_response_length": 48,
+        config,
+        {**SMALL, "trainer.output_dir": str(tmp / "out"), "data.max_response_length": 48,
          "worker.reward.reward_function_kwargs": {"log_path": str(log)}},
         train_data=_rows(quickstart_assets), workflow=workflow, reward=reward,
     )  # fmt: skip
+    return result, log
+
+
+def test_a_workflow_reward_and_rows_given_as_objects_train(trained):
+    result, log = trained
     assert isinstance(result, TrainResult) and result.steps == 1
     assert "actor/pg_loss" in result.metrics and result.metrics["agent/turns/mean"] > 1.5
     assert (result.experiment_dir / "data" / "train.parquet").is_file()
@@ -67,10 +80,7 @@ def test_a_workflow_reward_and_rows_given_as_objects_train(quickstart_assets, tm
     assert not ray.is_initialized()  # the cluster this call started went with it
 
 
-def test_a_mapping_config_and_mapping_overrides_train(tmp_path):
-    with open("examples/quickstart.yaml") as f:
-        config = yaml.safe_load(f)  # the quickstart as a mapping, its ${tiny:...} paths included
-    config["trainer"]["experiment_name"] = "from_a_mapping"
-    result = train(config, {**SMALL, "trainer.output_dir": str(tmp_path)})
+def test_a_mapping_config_and_mapping_overrides_train(trained):
+    result, _ = trained
     assert result.steps == 1 and result.experiment_dir.name == "from_a_mapping" and "actor/pg_loss" in result.metrics
     assert not ray.is_initialized()  # the cluster this call started went with it
