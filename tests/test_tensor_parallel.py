@@ -60,10 +60,13 @@ def test_the_plan_counts_one_engine_per_group_and_says_so():
 @pytest.fixture(scope="module")
 def tp_run(quickstart_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "outputs"
+    # The two workers are also one Ulysses group (worker.actor.ulysses_size=2, padding-free): the actor's
+    # log-probs, split over them, must still equal the engine's, and the run is the command-line check of SP.
     proc = run_main(
         out, *SMALL, "trainer.max_steps=3", "trainer.logger=[console,file]", "trainer.n_gpus_per_node=2",
         "worker.rollout.tensor_parallel_size=2", "worker.actor.micro_batch_size_per_device_for_update=2",
         "worker.rollout.calculate_log_probs=true", "worker.actor.optim.lr=1e-3", "worker.actor.entropy_coeff=0.01",
+        "worker.actor.ulysses_size=2", "worker.actor.padding_free=true",
         experiment="tp", timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
@@ -79,3 +82,12 @@ def test_two_workers_share_one_engine_and_each_resync_reaches_both_shards(tp_run
         # fp32 everywhere: a rank left with its old shard would put the engine's log-probs far from the actor's.
         assert m["rollout/log_prob_diff_max"] < 1e-3, m
         assert m["actor/grad_norm"] > 0
+
+
+def test_a_ulysses_group_of_two_workers_trains_through_the_command_line(tp_run):
+    out, stdout = tp_run
+    assert "sequence parallel: Ulysses groups of 2 workers" in stdout and "1 group(s) share each update" in stdout
+    steps = [m for m in read_metrics(out, "tp") if "actor/pg_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # Each step's update moved the weights, and the next step's engine (resynced) agrees with the split actor.
+    assert all(m["actor/grad_norm"] > 0 and m["rollout/log_prob_diff_max"] < 1e-3 for m in steps), steps

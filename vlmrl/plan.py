@@ -500,6 +500,13 @@ def describe(plan: Plan, config: Config) -> str:
             if plan.rollout_servers
             else []
         ),
+        *(
+            [f"sequence parallel: Ulysses groups of {actor.ulysses_size} workers, each splitting a row's tokens and "
+             f"attention heads over its workers; {plan.world_size // actor.ulysses_size} group(s) share each "
+             "update's rows"]  # fmt: skip
+            if actor.ulysses_size > 1
+            else []
+        ),
         f"weights: {dtypes}, engine {rollout.dtype.value}",
         _training_text(plan, config),
         _rollouts_text(config),
