@@ -1,11 +1,11 @@
 """The agent quickstart's command end to end (tools, tool images, the real stack), cut down to seconds a step.
 
-One uninterrupted run of 3 steps serves most checks: the trajectories are conversations (the reveal tool
+One uninterrupted run of 2 steps serves most checks: the trajectories are conversations (the reveal tool
 was called and its picture shown), the reward function got the conversation, the metrics and the logged
 validation conversations are there. A second run starts from a copy of the uninterrupted run as it stood after
-step 1 (tests/helpers/resume_point.py: as one killed while saving step 2 would) and trains steps 2 and 3 again: it
-must repeat the uninterrupted run's steps exactly (same prompts, same samples turn by turn, same updates). (A save
-killed part way is tests/test_resume.py's concern.)
+step 1 (tests/helpers/resume_point.py: as one killed while saving step 2 would) and trains step 2 again (a step
+after a resync): it must repeat the uninterrupted run's step exactly (same prompts, same samples turn by turn,
+same update). (A save killed part way is tests/test_resume.py's concern.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from helpers.resume_point import resume_point
 from helpers.runs import experiment_dir, read_metrics, run_command, tail
 
-STEPS = 3
+STEPS = 2
 COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "agent/turns/mean",
             "agent/tool_calls/mean", "action/ratio"]  # fmt: skip
 
