@@ -1,10 +1,11 @@
 """A new user's first runs: what the console shows, and the small traps around it (issue 23).
 
-One real CLI run of the quickstart for one step (shared by the tests below
-through a module fixture), then the same command again, which has nothing left
-to train. The rest are unit tests of the pieces: the reward kwargs checked at
-validation, ``key=null`` / ``key={}`` replacing a YAML mapping, the usage line,
-``--help KEY_PREFIX``, the console feed and the filter on vLLM's reload warning.
+The console of a real CLI run of the quickstart (the session's shared run, tests/conftest.py's ``e2e_run``:
+4 steps, validating before and after), then the same command again on a copy of its directory, which has
+nothing left to train. The rest are unit tests of the pieces: the reward kwargs checked at validation,
+``key=null`` / ``key={}`` replacing a YAML mapping, the usage line, ``--help KEY_PREFIX``, the console feed and
+the filter on vLLM's reload warning. (That the rendezvous dir goes when a run ends: tests/test_lr_schedule_run.py,
+whose runs have names of their own.)
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import io
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from helpers.runs import REPO, experiment_dir, run_main, tail
+from helpers.runs import E2E_API_KEY, E2E_STEPS, REPO, experiment_dir, run_command, tail
 
 from vlmrl.config import ConfigError
 from vlmrl.config.help import help_text
@@ -30,7 +31,6 @@ from vlmrl.rollout.engine.vllm import _weightless_reload_warning
 from vlmrl.validate import load_config
 
 QUICKSTART = "config=examples/quickstart.yaml"
-EXPERIMENT = "console-quickstart"
 
 # What the console showed before (issue 23): engine loaders, vLLM's per-step INFO lines,
 # torch deprecations, torchdata's set_vital, HF progress bars, and Ray's worker prefixes.
@@ -49,36 +49,38 @@ NOISE = [
 
 
 @pytest.fixture(scope="module")
-def quickstart_one_step(quickstart_assets, tmp_path_factory):
-    """``python -m vlmrl.main config=examples/quickstart.yaml trainer.max_steps=1``, then the same again."""
+def quickstart_run(e2e_run, tmp_path_factory):
+    """The shared quickstart run, and its command run again on a copy of its directory."""
     out = tmp_path_factory.mktemp("console") / "outputs"
-    args = ["trainer.max_steps=1"]
-    first = run_main(out, *args, experiment=EXPERIMENT, timeout=900)
-    assert first.returncode == 0, tail(first)
-    again = run_main(out, *args, experiment=EXPERIMENT, timeout=600)
-    return out, first, again
+    shutil.copytree(e2e_run.dir, experiment_dir(out, "e2e"))
+    args = [a for a in e2e_run.args if not a.startswith("trainer.output_dir=")] + [f"trainer.output_dir={out}"]
+    # The key the run's config was fingerprinted with, so that its checkpoint is this command's to resume.
+    again = run_command([sys.executable, "-m", "vlmrl.main", *args], env={"VLMRL_E2E_API_KEY": E2E_API_KEY})
+    return e2e_run, again
 
 
-def test_the_console_shows_the_run_and_not_the_engines(quickstart_one_step):
-    out, first, _ = quickstart_one_step
-    console = first.stdout + first.stderr
+def test_the_console_shows_the_run_and_not_the_engines(quickstart_run):
+    run, _ = quickstart_run
+    console = run.log
     for noise in NOISE:
         assert noise not in console, f"{noise!r} on the console:\n{console}"
     lines = console.splitlines()
     assert any(line.startswith("plan:") for line in lines), console
-    assert "data: 1024 training prompts, 64 steps per epoch of 16; 128 validation prompts" in lines, console
+    assert "data: 1024 training prompts, 256 steps per epoch of 4; 128 validation prompts" in lines, console
     assert any(line.startswith("step 1 | reward ") for line in lines), console
+    assert any(line.startswith(f"step {E2E_STEPS} | reward ") for line in lines), console
     assert any(line.startswith("checkpoint: saved ") for line in lines), console
-    assert any(line.startswith("run summary: 1 steps in ") for line in lines), console
-    assert any(line.startswith("  val accuracy: ") and "(step 0) ->" in line for line in lines), console
+    assert any(line.startswith(f"run summary: {E2E_STEPS} steps in ") for line in lines), console
+    # The run's validation metrics from before training to the end (the e2e run's reward reports "overall").
+    assert any(line.startswith("  val overall: ") and "(step 0) ->" in line for line in lines), console
     # Not a terminal: no bar, one line for the training's start instead.
-    assert "training: steps 1 to 1" in lines, console
+    assert f"training: steps 1 to {E2E_STEPS}" in lines, console
     assert len(lines) < 40, console  # was about 470 for the full quickstart
 
 
-def test_the_engines_logs_are_kept_in_full_in_the_experiment_dir(quickstart_one_step):
-    out, first, _ = quickstart_one_step
-    log = (experiment_dir(out, EXPERIMENT) / "run.log").read_text()
+def test_the_engines_logs_are_kept_in_full_in_the_experiment_dir(quickstart_run):
+    run, _ = quickstart_run
+    log = (run.dir / "run.log").read_text()
     # vLLM's start-up and per-resync lines, torch's warnings and the Runner's own lines are all there.
     assert "Initializing a V1 LLM engine" in log
     assert "Reloading and processing weights" in log
@@ -87,16 +89,14 @@ def test_the_engines_logs_are_kept_in_full_in_the_experiment_dir(quickstart_one_
     assert "Failed to load weights" not in log
 
 
-def test_the_rendezvous_dir_is_removed_when_the_run_ends(quickstart_one_step):
-    left = list(Path(tempfile.gettempdir()).glob(f"vlmrl-rendezvous-{EXPERIMENT}-*"))
-    assert left == []
-
-
-def test_a_finished_checkpoint_says_there_is_nothing_to_train(quickstart_one_step):
-    _, _, again = quickstart_one_step
+def test_a_finished_checkpoint_says_there_is_nothing_to_train(quickstart_run):
+    _, again = quickstart_run
     assert again.returncode == 0, tail(again)
     console = again.stdout + again.stderr
-    line = "nothing to train: the checkpoint at step 1 is at max_steps=1; remove it or pick another experiment_name"
+    line = (
+        f"nothing to train: the checkpoint at step {E2E_STEPS} is at max_steps={E2E_STEPS}; remove it or pick "
+        "another experiment_name"
+    )
     assert line in console, console
     assert "run summary" not in console and "step 1 |" not in console and "perf:" not in console, console
 
