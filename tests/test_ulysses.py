@@ -22,7 +22,9 @@ are odd (so the row is padded to split):
 - Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
   features go to the rank holding their tokens), and a text causal LM's on
   three text rows (its decoder embeds the tokens itself);
-- the log-probs of video rows (videos are encoded whole on every rank).
+- the log-probs of video rows (videos are encoded whole on every rank);
+- a LoRA actor (adapters on the decoder's linear layers, made from the same seed in every process): its
+  log-probs and one SGD step of its adapters.
 
 Why the gradients must agree (``ulysses`` module docstring): the update loop
 scales each micro-batch's loss by ``world * w / W`` with ``W`` summed over
@@ -45,7 +47,7 @@ from helpers.tiny_families import family_prompts
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
-from vlmrl.config import FSDPConfig
+from vlmrl.config import FSDPConfig, LoraConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.models.qwen_vision import SPECIAL_TOKENS as QWEN_MARKERS
 from vlmrl.records import Trajectory
@@ -56,6 +58,7 @@ from vlmrl.train import packing, ulysses
 from vlmrl.train.actor import UpdateSettings, compute_log_probs, update_policy
 from vlmrl.train.critic import CriticSettings, ValueModel, compute_values, update_critic
 from vlmrl.train.fsdp_options import Meshes, ShardOptions, shard
+from vlmrl.train.lora import add_lora
 from vlmrl.train.micro_batches import MicroBatching
 
 SP, RESPONSE = 2, 5
@@ -199,6 +202,14 @@ def _passes(model: torch.nn.Module, batch, allowed, sequence) -> dict:
     return {"log_probs": log_probs, "entropy": entropy, "metrics": metrics, "step": step, "images": images}
 
 
+def _lora_model(model_dir: str) -> torch.nn.Module:
+    """The tiny model with LoRA adapters, the same in every process. peft starts each B at zero, so the log-probs
+    are the base model's and the first step moves the B matrices alone: the step is the adapters' gradient."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    return add_lora(model, LoraConfig(rank=4, alpha=8))
+
+
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
@@ -219,6 +230,10 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, t
     group = ulysses.SequenceGroup.of_world(SP)
     videos = compute_log_probs(model, videos, MicroBatching(2, padding_free=True), allowed, sequence=group)
     out = {"group": (group.size, group.rank), "videos": videos, **_passes(model, batch, allowed, group)}
+    lora = _lora_model(model_dir)
+    ulysses.install(lora)
+    lora = shard(lora, list(lora._no_split_modules), mesh, ShardOptions.from_config(fsdp, "cpu"))
+    out["lora"] = _passes(lora, batch, allowed, group)
     critic = _critic(model_dir)
     ulysses.install(critic.backbone)
     critic = shard(critic, critic.no_split_modules, mesh, ShardOptions.from_config(fsdp, "cpu"))
@@ -250,6 +265,7 @@ def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, video_batch, tmp_path_f
     alone = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     out = {"videos": compute_log_probs(alone, video_batch, MicroBatching(2, padding_free=True), allowed)}
     out |= {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
+    out["lora"] = _passes(_lora_model(model_dir), batch, allowed, None)
     path, family_batch, family_allowed = qwen3_vl
     family_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     out["qwen3_vl"] = compute_log_probs(family_model, family_batch, MicroBatching(2, padding_free=True), family_allowed)
@@ -422,3 +438,18 @@ def test_the_stall_watch_counts_the_optimizer_steps_of_a_group():
     loop.actor_settings = SimpleNamespace(samples_per_update=4, ppo_epochs=1)
     loop.critic_settings = None
     assert loop._optimizer_steps(8, step=1) == {"actor": 2}
+
+
+def test_sequence_parallel_lora_gives_the_same_log_probs_and_adapter_step_as_one_rank(runs):
+    alone = runs["lora"]
+    adapters = [name for name in alone["step"] if ".lora_" in name]
+    moved = [name for name in adapters if alone["step"][name].abs().max() > 0]
+    assert moved and all(".lora_B." in name for name in moved)  # B starts at zero: only B moves in one step
+    for rank in range(SP):
+        mine = runs[rank]["lora"]
+        torch.testing.assert_close(mine["log_probs"], alone["log_probs"], atol=1e-5, rtol=1e-5)
+        assert mine["metrics"]["actor/grad_norm"] == pytest.approx(alone["metrics"]["actor/grad_norm"], rel=1e-4)
+        for name in adapters:
+            torch.testing.assert_close(
+                mine["step"][name], alone["step"][name], atol=2e-6, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
+            )
