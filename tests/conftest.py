@@ -87,14 +87,28 @@ def sigterm_run(quickstart_assets, tmp_path_factory) -> SigtermRun:
     return _sigterm_run(quickstart_assets, tmp_path_factory.mktemp("sigterm"))
 
 
-@pytest.fixture
-def local_ray():
-    """A fresh 2-CPU local Ray cluster for one test (any cluster an earlier test left is shut down first)."""
+def _fresh_local_ray():
+    """A fresh 2-CPU local Ray cluster in this process (any cluster an earlier test left is shut down first)."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
+    return ray
+
+
+@pytest.fixture
+def local_ray():
+    """A fresh 2-CPU local Ray cluster for one test."""
+    ray = _fresh_local_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def module_local_ray():
+    """One fresh 2-CPU local Ray cluster for a module's tests (starting one costs seconds)."""
+    ray = _fresh_local_ray()
     yield ray
     ray.shutdown()
 
