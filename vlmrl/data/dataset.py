@@ -283,6 +283,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         except (ValueError, TypeError, RuntimeError):
             return [None] * len(batch)  # a row's media the processor rejects: found row by row
         grids = out.get("image_grid_thw")
+        if "attention_mask" not in out or (images and grids is None):  # a processor that says less: row by row
+            return [None] * len(batch)
         results: list[tuple[int, str, str] | None] = []
         first_image = 0
         for i, prepared in enumerate(batch):
