@@ -131,9 +131,10 @@ class Runner:
                 print(finished, flush=True)
                 return
         # The workers start (a minute or more; the driver's are already starting) while this process imports the
-        # step loop, reads the data and starts the reward actors. What the starting thread imports is imported here first, as transformers'
-        # lazy imports are not safe from two threads: the workers' class (which leaves its roles' imports to
-        # the worker processes, so this is quick) and, disaggregated, the rollout servers' module.
+        # step loop, reads the data and starts the reward actors. What the starting thread imports is imported
+        # here first, as transformers' lazy imports are not safe from two threads: the workers' class (which
+        # leaves its roles' imports to the worker processes, so this is quick) and, disaggregated, the rollout
+        # servers' module.
         import vlmrl.workers.hybrid  # noqa: F401
 
         if plan.rollout_servers:
