@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+FORKSERVER = Path(__file__).resolve().parents[1] / "forkserver" / "vlmrl_forkserver.py"
 
 NUM_CPUS = 32
 """Logical CPUs: more than any one run places (workers, rollout servers, reward actors), with room for the actors
@@ -34,8 +37,14 @@ of the job before, which Ray releases a moment after that job's driver exits."""
 DISABLE_ENV = "VLMRL_TESTS_OWN_CLUSTERS"
 """Set to 1 to have every run start a cluster of its own again (to compare, or to rule the sharing out)."""
 
+FORKSERVER_ENV = "VLMRL_TESTS_FORKSERVER"
+"""Set to 0 to have the runs that join the cluster start their Ray workers cold (tests/forkserver: to compare, or to
+rule the fork server out)."""
+
 _lock = threading.Lock()
 _holder: subprocess.Popen | None = None
+_forkserver: subprocess.Popen | None = None
+_forkserver_dir: str | None = None
 _env: dict[str, str] = {}
 
 
@@ -47,7 +56,36 @@ def join_env() -> dict[str, str]:
     with _lock:
         if _holder is None or _holder.poll() is not None:  # not started yet, or gone: start one
             _holder, _env = _start()
+            if os.environ.get(FORKSERVER_ENV, "1") != "0":
+                _env.update(_start_forkserver(_env))
         return dict(_env)
+
+
+def _start_forkserver(join: dict[str, str]) -> dict[str, str]:
+    """Start the session's fork server (tests/forkserver/vlmrl_forkserver.py) with the environment its children
+    will mostly have (pytest's, and the cluster's), and return what a driver needs to have its workers forked."""
+    global _forkserver, _forkserver_dir
+    _forkserver_dir = tempfile.mkdtemp(prefix="vlmrl-fork-")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(join)
+    log = Path(tempfile.gettempdir()) / f"vlmrl-tests-forkserver-{os.getpid()}.log"
+    with open(log, "w") as sink:
+        _forkserver = subprocess.Popen(
+            [sys.executable, str(FORKSERVER), "--serve", _forkserver_dir], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=sink, text=True, env=env,
+        )  # fmt: skip
+    line = _forkserver.stdout.readline()
+    _forkserver.stdout.close()
+    if not line:
+        _forkserver.wait()
+        raise RuntimeError(f"the tests' fork server did not start (exit {_forkserver.returncode}):\n"
+                           f"{log.read_text()[-4000:]}")  # fmt: skip
+    python_path = os.pathsep.join(p for p in (str(FORKSERVER.parent), os.environ.get("PYTHONPATH")) if p)
+    return {
+        "VLMRL_FORKSERVER_DIR": _forkserver_dir,
+        "RAY_RUNTIME_ENV_HOOK": f"{FORKSERVER.stem}.runtime_env_hook",
+        "PYTHONPATH": python_path,
+    }
 
 
 def _start() -> tuple[subprocess.Popen, dict[str, str]]:
@@ -69,18 +107,24 @@ def _start() -> tuple[subprocess.Popen, dict[str, str]]:
 
 
 def stop() -> None:
-    """Close the holder's stdin, so it shuts the cluster down, and wait for it."""
-    global _holder
+    """Close the holder's stdin, so it shuts the cluster down, then the fork server's, and wait for them."""
+    global _holder, _forkserver, _forkserver_dir
     with _lock:
         holder, _holder = _holder, None
-    if holder is None:
-        return
-    holder.stdin.close()
-    try:
-        holder.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        holder.kill()
-        holder.wait()
+        forkserver, _forkserver = _forkserver, None
+        forkserver_dir, _forkserver_dir = _forkserver_dir, None
+    # The cluster first, then the fork server: a worker the cluster stops still has a client waiting for it.
+    for process, timeout in ((holder, 60), (forkserver, 30)):
+        if process is None:
+            continue
+        process.stdin.close()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if forkserver_dir is not None:
+        shutil.rmtree(forkserver_dir, ignore_errors=True)
 
 
 def _hold(num_cpus: int) -> None:

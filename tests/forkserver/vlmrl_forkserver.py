@@ -1,0 +1,321 @@
+"""The test session's Ray worker processes start as forks of one process that has imported their modules already.
+
+Why: a short test run trains for about a second; the rest is start-up, and most of that start-up is CPU spent
+importing torch, transformers, vLLM, Ray and vlmrl again in every Ray worker process of every run (the Runner, the
+trainer workers, the rollout servers, the reward actors): about 10-15 s of CPU per run on the 2-core machine, where
+the runs are CPU-bound (docs/performance.md, the test suite). Forked from a process that holds those modules, a
+worker starts with them imported; everything it then does (Ray's worker, vlmrl's actors, FSDP, the engine) is the
+same code in a real process of its own.
+
+How:
+- The session's fork server (``serve``, started by ``tests/helpers/shared_cluster.py``) imports ``PRELOAD`` and
+  waits on a Unix socket in a directory only its user can enter, for clients that know its token.
+- The runs that join the session's cluster name this file as their workers' Python: ``runtime_env_hook`` (Ray's
+  ``RAY_RUNTIME_ENV_HOOK``) sets ``py_executable``, so Ray starts ``python vlmrl_forkserver.py <worker script and
+  arguments>`` instead of ``python <worker script and arguments>``.
+- That process is a client (``client``): it sends its arguments, environment, working directory and its standard
+  streams (the descriptors themselves) to the server, which forks. The child takes them on, and runs the worker
+  script as ``python`` would have (``become``). The client stays as the process Ray started: it passes signals on to
+  the child and exits as the child did; the server kills a child whose client died.
+- The server forks only while it is single-threaded (a fork copies one thread, and the locks the others held); if
+  anything it imported started a thread, it starts each worker with exec instead, which is merely slower.
+
+What differs from a cold start, and why it does not matter here: the modules in ``PRELOAD`` are imported with the
+server's environment, not the run's. The run's settings that those modules read at import are the same for every
+test run (the suite's environment), and the per-run ones (the log file, OMP threads, vLLM's switches) are read
+later. OpenMP read ``OMP_NUM_THREADS`` when torch loaded it, so the child sets torch's threads from its own.
+
+Set ``VLMRL_TESTS_FORKSERVER=0`` to start every worker cold (to compare, or to rule the fork server out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+DIR_ENV = "VLMRL_FORKSERVER_DIR"
+"""The driver's setting (from tests/helpers/shared_cluster.py): the server's directory, which holds its socket
+(``SOCKET``) and its token (``TOKEN``), readable by this user alone. The workers get the directory on their
+command line, not in their environment, so the token is in no environment a run logs."""
+SOCKET, TOKEN = "socket", "token"
+
+PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.auto.processing_auto",
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl",
+    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "datasets",
+)
+"""What a run's Ray workers import, the costly part first. A module that fails to import is skipped.
+
+Not Ray, nor vlmrl (whose modules import Ray): Ray's library, once loaded, keeps what it read of the process's
+environment, so a worker forked from a process that had loaded it reads the server's job id, not its own, and Ray
+stops it at start. So the server has Ray's import fail (``_NoRay``): vLLM, the one module here that tries it,
+then records Ray as missing, and the child, with Ray importable again, has that module read again (``become``).
+A child imports Ray and vlmrl itself, about 1.5 s of CPU."""
+
+_RELOAD = ("vllm.v1.executor.ray_utils",)
+"""The preloaded modules that tried to import Ray (``_NoRay``), read again in each child."""
+
+
+class _NoRay:
+    """A meta path finder that fails every import of Ray, in the server."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name} is not imported in the fork server")
+        return None
+
+
+_HEADER = struct.Struct("!I")
+_PID = struct.Struct("!q")
+_STATUS = struct.Struct("!i")
+
+
+def runtime_env_hook(runtime_env: dict | None) -> dict:
+    """Ray's ``RAY_RUNTIME_ENV_HOOK``, in the driver: the job's workers start through this file's client."""
+    env = dict(runtime_env or {})
+    where = os.environ.get(DIR_ENV)
+    if where:
+        env.setdefault("py_executable", f"{sys.executable} {os.path.abspath(__file__)} --connect {where}")
+    return env
+
+
+# The client: the process Ray starts.
+
+
+def client(where: str, argv: list[str]) -> None:
+    """Have the server in ``where`` fork this worker, then stand for it: pass signals on, and exit as it exits."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with open(os.path.join(where, TOKEN)) as file:
+            token = file.read()
+        conn.connect(os.path.join(where, SOCKET))
+    except OSError:  # no server (the session is ending): be the python Ray asked for
+        os.execv(sys.executable, [sys.executable, *argv])
+    request = json.dumps({"token": token, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [0, 1, 2])
+    child = _PID.unpack(_read(conn, _PID.size))[0]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda number, _frame: _forward(child, number))
+    try:
+        status = _STATUS.unpack(_read(conn, _STATUS.size))[0]
+    except EOFError:  # the server is gone, and the child with it
+        os._exit(1)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _forward(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:
+        pass
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+# The server: the session's template process.
+
+
+def serve(where: str) -> tuple[dict, list[int]] | None:
+    """Import ``PRELOAD``, then fork a child per client of the socket in ``where`` until stdin closes. Returns None
+    in the server, and the request and its descriptors in each child, which then runs its worker (``become``)."""
+    import gc
+    import importlib
+    import secrets
+    import selectors
+    import threading
+
+    sys.meta_path.insert(0, _NoRay)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - a module this install lacks: its workers import it themselves
+            print(f"forkserver: not preloaded: {name}: {error!r}", file=sys.stderr, flush=True)
+    gc.collect()
+    gc.freeze()  # the children's collections then leave the preloaded objects, and their pages, alone
+    os.chmod(where, 0o700)
+    token = secrets.token_hex(16)
+    descriptor = os.open(os.path.join(where, TOKEN), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(token)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(where, SOCKET))
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "reap")
+    selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    # Python's threads only: the native pools of OpenBLAS and of pyarrow's jemalloc, which start at import, stop
+    # and restart around a fork themselves (pthread_atfork).
+    single = threading.active_count() == 1
+    print(json.dumps({"forks": single}), flush=True)
+    while True:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (EOFError, ValueError, OSError):
+                    conn.close()
+                    continue
+                if request.get("token") != token:
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:  # the child: leave the server's state behind
+                    os.setpgid(0, 0)  # a group of its own, as Ray gives each worker (and kills with it)
+                    selector.close()
+                    listener.close()
+                    for other in [*clients.values(), conn]:
+                        other.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    if not single:
+                        _exec(request, fds)
+                    return request, fds
+                for fd in fds:
+                    os.close(fd)
+                print(f"forkserver: {pid}: {' '.join(request['argv'])[:200]}", file=sys.stderr, flush=True)
+                conn.sendall(_PID.pack(pid))
+                clients[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data == "reap":
+                while True:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        break
+                _reap(clients, selector)
+            elif key.data == "stdin":
+                if not os.read(sys.stdin.fileno(), 4096):  # the session is over
+                    return None
+            else:  # a client's connection is readable: it closed, so its process died
+                pid = key.data
+                selector.unregister(key.fileobj)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _reap(clients: dict[int, socket.socket], selector) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is None:
+            continue
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sendall(_STATUS.pack(status))
+        except OSError:
+            pass
+        conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a request carries the three standard streams")
+    while len(data) < _HEADER.size:
+        data += _read(conn, _HEADER.size - len(data))
+    (length,) = _HEADER.unpack(data[: _HEADER.size])
+    body = data[_HEADER.size :]
+    if len(body) < length:
+        body += _read(conn, length - len(body))
+    return json.loads(body), fds
+
+
+def _take_on(request: dict, fds: list[int]) -> None:
+    """The child becomes the process its client stands for: its streams, directory and environment."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _exec(request: dict, fds: list[int]) -> None:
+    _take_on(request, fds)
+    os.execv(sys.executable, [sys.executable, *request["argv"]])
+
+
+def become(request: dict, fds: list[int]) -> None:
+    """In a forked child: run the worker script as ``python <argv>`` would, in this process."""
+    import importlib
+    import runpy
+
+    _take_on(request, fds)
+    sys.meta_path.remove(_NoRay)
+    for name in _RELOAD:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+    argv = request["argv"]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
+        job = serve(sys.argv[2])
+        if job is not None:
+            become(*job)
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--connect":
+        client(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit("usage: vlmrl_forkserver.py --serve DIR | --connect DIR WORKER_ARGS...")
+
+
+if __name__ == "__main__":
+    main()
