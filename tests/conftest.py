@@ -71,7 +71,10 @@ def e2e_run(quickstart_assets, tmp_path_factory) -> E2ERun:
         # logging reward takes it in its **kwargs. The default lets a test reload these args without it.
         "worker.reward.reward_function_kwargs.api_key=${oc.env:VLMRL_E2E_API_KEY,unset}",
     ]
-    proc = run_main(output_dir, *overrides, experiment="e2e", env={"VLMRL_E2E_API_KEY": E2E_API_KEY}, timeout=900)
+    # Cold (no fork server): tests/test_console.py reads what a cold start prints.
+    proc = run_main(
+        output_dir, *overrides, experiment="e2e", env={"VLMRL_E2E_API_KEY": E2E_API_KEY}, timeout=900, forked=False
+    )
     assert proc.returncode == 0, f"vlmrl.main failed:\n{tail(proc)}"
     args = main_command(output_dir, *overrides, experiment="e2e")[3:]  # from config=... on
     return E2ERun(

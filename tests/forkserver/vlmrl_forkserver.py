@@ -15,12 +15,14 @@ How:
   arguments>`` instead of ``python <worker script and arguments>``.
 - That process is a client (``client``): it sends its arguments, environment, working directory and its standard
   streams (the descriptors themselves) to the server, which forks. The child takes them on, and runs the worker
-  script as ``python`` would have (``become``). The client stays as the process Ray started: it passes signals on to
+  script as ``python`` would have (``become``). The suite's ``python -m vlmrl.main`` runs that join the cluster
+  start the same way (``tests/helpers/runs.py``), so their drivers start with torch imported too. The client stays as the process Ray started: it passes signals on to
   the child and exits as the child did; the server kills a child whose client died.
 - The server forks only while it is single-threaded (a fork copies one thread, and the locks the others held); if
   anything it imported started a thread, it starts each worker with exec instead, which is merely slower.
 
-What differs from a cold start, and why it does not matter here: the modules in ``PRELOAD`` are imported with the
+What differs from a cold start, and why it does not matter here (the run the console tests read, the e2e run,
+starts cold, so that what a cold start prints is still checked): the modules in ``PRELOAD`` are imported with the
 server's environment, not the run's. The run's settings that those modules read at import are the same for every
 test run (the suite's environment), and the per-run ones (the log file, OMP threads, vLLM's switches) are read
 later. OpenMP read ``OMP_NUM_THREADS`` when torch loaded it, so the child sets torch's threads from its own.
@@ -288,7 +290,7 @@ def _exec(request: dict, fds: list[int]) -> None:
 
 
 def become(request: dict, fds: list[int]) -> None:
-    """In a forked child: run the worker script as ``python <argv>`` would, in this process."""
+    """In a forked child: run ``python <argv>`` (a script, ``-m module`` or ``-c code``) in this process."""
     import importlib
     import runpy
 
@@ -297,13 +299,24 @@ def become(request: dict, fds: list[int]) -> None:
     for name in _RELOAD:
         if name in sys.modules:
             importlib.reload(sys.modules[name])
-    argv = request["argv"]
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    runpy.run_path(argv[0], run_name="__main__")
+    # sys.path as python builds it: the script's directory (or the working directory), then PYTHONPATH's entries.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0:1] = [os.getcwd(), *extra]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0:1] = ["", *extra]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = list(argv)
+        sys.path[0:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def main() -> None:

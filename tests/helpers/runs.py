@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from helpers.shared_cluster import join_env
+from helpers.shared_cluster import FORKED_RUN_ENV, FORKSERVER, FORKSERVER_DIR, join_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,22 +45,23 @@ def run_main(
     timeout: int = 600,
     crash_in_save_at: int | None = None,
     own_cluster: bool = False,
+    forked: bool = True,
 ):
     """Run to completion; return the CompletedProcess (the caller checks returncode).
 
     A user's MLFLOW_TRACKING_URI is dropped: test runs use their embedded store.
     ``crash_in_save_at``: kill the run in the middle of saving that step (tests/helpers/crash_in_save.py).
-    ``own_cluster``: see ``run_command``.
+    ``own_cluster``, ``forked``: see ``run_command``.
     """
     command = main_command(output_dir, *overrides, experiment=experiment)
     if crash_in_save_at is not None:
         command = [sys.executable, str(REPO / "tests" / "helpers" / "crash_in_save.py"), str(crash_in_save_at)]
         command += main_command(output_dir, *overrides, experiment=experiment)[3:]
-    return run_command(command, env=env, timeout=timeout, own_cluster=own_cluster)
+    return run_command(command, env=env, timeout=timeout, own_cluster=own_cluster, forked=forked)
 
 
 def run_command(
-    command: list[str], env: dict | None = None, timeout: int = 600, own_cluster: bool = False
+    command: list[str], env: dict | None = None, timeout: int = 600, own_cluster: bool = False, forked: bool = True
 ) -> subprocess.CompletedProcess:
     """Run ``command`` in the repository to completion, without a user's MLFLOW_TRACKING_URI (test runs use
     their embedded store); the caller checks returncode.
@@ -68,10 +69,20 @@ def run_command(
     The run joins the test session's Ray cluster (helpers/shared_cluster.py) unless ``own_cluster`` (or ``env``
     names a RAY_ADDRESS): a run whose test is about starting a cluster, or about signals, process groups and the
     driver's own session, which only a run that starts its own cluster has, must say ``own_cluster=True``.
+    A run that joins starts its driver (a Python command) and its Ray workers as forks of the session's fork server
+    (tests/forkserver), with torch, transformers and vLLM imported, unless ``forked`` is false: a run whose test reads
+    what a cold start prints (the console's) says ``forked=False``.
     """
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     if not own_cluster and "RAY_ADDRESS" not in (env or {}):
         base.update(join_env())
+        if not forked:  # the driver and its workers start cold
+            for name in (*FORKED_RUN_ENV, "PYTHONPATH"):
+                base.pop(name, None)
+            if "PYTHONPATH" in os.environ:
+                base["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        elif FORKSERVER_DIR in base and command[0] == sys.executable:
+            command = [sys.executable, str(FORKSERVER), "--connect", base[FORKSERVER_DIR], *command[1:]]
     return subprocess.run(
         command, cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
     )

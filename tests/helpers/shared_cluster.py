@@ -29,6 +29,10 @@ import threading
 from pathlib import Path
 
 FORKSERVER = Path(__file__).resolve().parents[1] / "forkserver" / "vlmrl_forkserver.py"
+FORKSERVER_DIR = "VLMRL_FORKSERVER_DIR"
+"""In a joining run's environment: the fork server's directory (its socket and token)."""
+FORKED_RUN_ENV = (FORKSERVER_DIR, "RAY_RUNTIME_ENV_HOOK")
+"""What ``join_env`` adds for the fork server, PYTHONPATH aside."""
 
 NUM_CPUS = 32
 """Logical CPUs: more than any one run places (workers, rollout servers, reward actors), with room for the actors
@@ -82,7 +86,7 @@ def _start_forkserver(join: dict[str, str]) -> dict[str, str]:
                            f"{log.read_text()[-4000:]}")  # fmt: skip
     python_path = os.pathsep.join(p for p in (str(FORKSERVER.parent), os.environ.get("PYTHONPATH")) if p)
     return {
-        "VLMRL_FORKSERVER_DIR": _forkserver_dir,
+        FORKSERVER_DIR: _forkserver_dir,
         "RAY_RUNTIME_ENV_HOOK": f"{FORKSERVER.stem}.runtime_env_hook",
         "PYTHONPATH": python_path,
     }
