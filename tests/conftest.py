@@ -14,7 +14,7 @@ from helpers.runs import (
     run_main,
     tail,
 )
-from helpers.shared_cluster import stop as stop_shared_cluster
+from helpers.shared_cluster import forked_runtime_env, stop as stop_shared_cluster
 from helpers.sigterm_run import SigtermRun, sigterm_run as _sigterm_run
 
 from vlmrl.heap import pause_full_collections, started
@@ -96,7 +96,8 @@ def _fresh_local_ray():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    # Its workers start as forks of the session's fork server (tests/forkserver), with torch and vLLM imported.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=forked_runtime_env())
     return ray
 
 

@@ -53,37 +53,48 @@ _env: dict[str, str] = {}
 
 
 def join_env() -> dict[str, str]:
-    """What a run's environment needs to join the session's cluster (started on first call); {} when disabled."""
+    """What a run's environment needs to join the session's cluster (started on first call), and to start its
+    workers through the fork server; {} when disabled."""
     global _holder, _env
     if os.environ.get(DISABLE_ENV) == "1":
         return {}
     with _lock:
         if _holder is None or _holder.poll() is not None:  # not started yet, or gone: start one
             _holder, _env = _start()
-            if os.environ.get(FORKSERVER_ENV, "1") != "0":
-                _env.update(_start_forkserver(_env))
-        return dict(_env)
+        return {**_env, **_forkserver_env()}
 
 
-def _start_forkserver(join: dict[str, str]) -> dict[str, str]:
-    """Start the session's fork server (tests/forkserver/vlmrl_forkserver.py) with the environment its children
-    will mostly have (pytest's, and the cluster's), and return what a driver needs to have its workers forked."""
+def forked_runtime_env() -> dict:
+    """The runtime_env for a test's own ``ray.init``: the job's workers start as forks of the session's fork
+    server ({} when it is disabled)."""
+    with _lock:
+        env = _forkserver_env()
+    return {"py_executable": f"{sys.executable} {FORKSERVER} --connect {env[FORKSERVER_DIR]}"} if env else {}
+
+
+def _forkserver_env() -> dict[str, str]:
+    """With the lock held: what a driver needs to have its workers forked (the server started on first call)."""
     global _forkserver, _forkserver_dir
-    _forkserver_dir = tempfile.mkdtemp(prefix="vlmrl-fork-")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(join)
-    log = Path(tempfile.gettempdir()) / f"vlmrl-tests-forkserver-{os.getpid()}.log"
-    with open(log, "w") as sink:
-        _forkserver = subprocess.Popen(
-            [sys.executable, str(FORKSERVER), "--serve", _forkserver_dir], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=sink, text=True, env=env,
-        )  # fmt: skip
-    line = _forkserver.stdout.readline()
-    _forkserver.stdout.close()
-    if not line:
-        _forkserver.wait()
-        raise RuntimeError(f"the tests' fork server did not start (exit {_forkserver.returncode}):\n"
-                           f"{log.read_text()[-4000:]}")  # fmt: skip
+    if os.environ.get(FORKSERVER_ENV, "1") == "0":
+        return {}
+    if _forkserver is None or _forkserver.poll() is not None:
+        _forkserver_dir = tempfile.mkdtemp(prefix="vlmrl-fork-")
+        # pytest's environment: the children take on their clients' own, but OpenMP reads its settings when the
+        # server loads torch (vlmrl_forkserver.py says what else differs from a cold start).
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        log = Path(tempfile.gettempdir()) / f"vlmrl-tests-forkserver-{os.getpid()}.log"
+        with open(log, "w") as sink:
+            _forkserver = subprocess.Popen(
+                [sys.executable, str(FORKSERVER), "--serve", _forkserver_dir], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=sink, text=True, env=env,
+            )  # fmt: skip
+        line = _forkserver.stdout.readline()
+        _forkserver.stdout.close()
+        if not line:
+            _forkserver.wait()
+            raise RuntimeError(
+                f"the tests' fork server did not start (exit {_forkserver.returncode}):\n{log.read_text()[-4000:]}"
+            )
     python_path = os.pathsep.join(p for p in (str(FORKSERVER.parent), os.environ.get("PYTHONPATH")) if p)
     return {
         FORKSERVER_DIR: _forkserver_dir,
