@@ -35,3 +35,18 @@ def test_a_run_joins_the_sessions_cluster_and_one_that_asks_starts_its_own():
 def test_pytest_itself_names_no_cluster():
     join_env()
     assert "RAY_ADDRESS" not in os.environ
+
+
+# A driver in another directory than the cluster's (the session's cluster was started from the repository), with
+# the job settings a run gives its workers: where do they read relative paths from?
+IN_ANOTHER_DIR = (
+    "import os, ray; from vlmrl.driver.console import runtime_env; "
+    "ray.init(logging_level='ERROR', runtime_env=runtime_env(os.devnull, False)); "
+    "print(ray.get(ray.remote(lambda: os.getcwd()).remote()))"
+)
+
+
+def test_a_run_that_joins_a_cluster_started_elsewhere_reads_relative_paths_from_its_own_directory(tmp_path):
+    proc = run_command([sys.executable, "-c", IN_ANOTHER_DIR], timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, tail(proc)
+    assert proc.stdout.split()[-1] == str(tmp_path), tail(proc)

@@ -61,7 +61,12 @@ def run_main(
 
 
 def run_command(
-    command: list[str], env: dict | None = None, timeout: int = 600, own_cluster: bool = False, forked: bool = True
+    command: list[str],
+    env: dict | None = None,
+    timeout: int = 600,
+    own_cluster: bool = False,
+    forked: bool = True,
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """Run ``command`` in the repository to completion, without a user's MLFLOW_TRACKING_URI (test runs use
     their embedded store); the caller checks returncode.
@@ -84,7 +89,7 @@ def run_command(
         elif FORKSERVER_DIR in base and command[0] == sys.executable:
             command = [sys.executable, str(FORKSERVER), "--connect", base[FORKSERVER_DIR], *command[1:]]
     return subprocess.run(
-        command, cwd=REPO, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        command, cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
     )
 
 

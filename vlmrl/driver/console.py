@@ -44,15 +44,16 @@ LOG_FILE = "run.log"
 
 _FORWARD_HANDLER = "vlmrl-forward"
 
-RUN_LOG_ENV, VERBOSE_ENV = "VLMRL_RUN_LOG", "VLMRL_VERBOSE"
-"""How the driver tells each worker process (through the job's runtime_env) where to log, and how."""
+RUN_LOG_ENV, VERBOSE_ENV, RUN_DIR_ENV = "VLMRL_RUN_LOG", "VLMRL_VERBOSE", "VLMRL_RUN_DIR"
+"""How the driver tells each worker process (through the job's runtime_env) where to log, how, and which directory
+the run's relative paths are read from."""
 
 
 def runtime_env(log_path: str, verbose: bool) -> dict:
     """The job's runtime_env: every worker process runs ``process_setup`` first, with these settings."""
     return {
         "worker_process_setup_hook": f"{__name__}.process_setup",
-        "env_vars": {RUN_LOG_ENV: log_path, VERBOSE_ENV: "1" if verbose else "0"},
+        "env_vars": {RUN_LOG_ENV: log_path, VERBOSE_ENV: "1" if verbose else "0", RUN_DIR_ENV: os.getcwd()},
     }
 
 
@@ -81,6 +82,11 @@ def process_setup() -> None:
     pause_full_collections()
     # Before the first large allocation: the passes' freed activations are reused, not faulted in again (vlmrl.malloc).
     keep_freed_memory()
+    # Ray starts a worker in the directory its raylet was started in: for a cluster that ``ray start`` made
+    # elsewhere, not the driver's. The run's relative paths (data, tools, templates, reward files) are the driver's.
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir and os.path.isdir(run_dir):  # a node without the directory keeps Ray's
+        os.chdir(run_dir)
     log_path, verbose = os.environ.get(RUN_LOG_ENV), os.environ.get(VERBOSE_ENV) == "1"
     if not log_path:
         return
