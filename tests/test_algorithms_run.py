@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import SMALL
+from helpers.shared_cluster import forked_runtime_env
 from transformers import AutoProcessor
 
 from vlmrl.validate import load_config
@@ -108,7 +109,7 @@ def shared(tiny_assets, tmp_path_factory):
     plan = resolve(config, cluster)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=forked_runtime_env())
     scorers = start_scorers(config.worker.reward, validation=False)
     workers = WorkerGroup(config, plan)
     processor = AutoProcessor.from_pretrained(config.worker.actor.model.model_path)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.runs import SMALL
+from helpers.shared_cluster import forked_runtime_env
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -88,7 +89,7 @@ def lora_run(tmp_path_factory):
     started_ray = not ray.is_initialized()
     if started_ray:
         # address="local": a Ray of our own, even while another process on this machine runs one.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=forked_runtime_env())
     workers = WorkerGroup(config, plan)
     try:
         r = {"config": config, "model_dir": model_dir, "base": base, "allowed": allowed, "tmp": tmp}

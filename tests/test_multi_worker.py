@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 from helpers.multi_worker import check_workers_match_one_process, train
 from helpers.runs import SMALL
+from helpers.shared_cluster import forked_runtime_env
 
 from vlmrl.validate import load_config
 from vlmrl.plan import detect_cluster, resolve
@@ -35,7 +36,7 @@ def two_nodes(tiny_assets, tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, runtime_env=forked_runtime_env())
     tmp = tmp_path_factory.mktemp("two_nodes")
     base = [
         "config=examples/quickstart.yaml",

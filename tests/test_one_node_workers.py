@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 from helpers.multi_worker import check_workers_match_one_process, train
 from helpers.runs import SMALL
+from helpers.shared_cluster import forked_runtime_env
 
 from vlmrl.validate import load_config
 from vlmrl.plan import detect_cluster, resolve
@@ -37,7 +38,7 @@ def one_node(tiny_assets, tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     # Two worker bundles and the reward actor: logical CPUs, the workers take turns on the cores.
-    ray.init(address="local", num_cpus=3, include_dashboard=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, runtime_env=forked_runtime_env())
     tmp = tmp_path_factory.mktemp("one_node")
     base = [
         "config=examples/quickstart.yaml",

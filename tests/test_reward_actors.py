@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 from helpers.reward_batch import make_batch
+from helpers.shared_cluster import forked_runtime_env
 
 from vlmrl.config import RewardConfig
 from vlmrl.reward.function import RewardFunctionError
@@ -51,7 +52,7 @@ REWARDS = """
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=forked_runtime_env())
     yield
     ray.shutdown()
 

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import ray
 import torch
+from helpers.shared_cluster import forked_runtime_env
 from PIL import Image
 
 from vlmrl.config import Config, Device, DType, JudgeParse, RewardModelKind, TimeoutPolicy
@@ -45,7 +46,7 @@ FUNCTIONS = """
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=forked_runtime_env())
     yield
     ray.shutdown()
 

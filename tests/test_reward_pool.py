@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 from helpers.reward_batch import make_batch
+from helpers.shared_cluster import forked_runtime_env
 
 from vlmrl.config import Config, RewardConfig
 from vlmrl.driver.scoring import start_scorers
@@ -30,7 +31,7 @@ SLOW = """
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=forked_runtime_env())
     yield
     ray.shutdown()
 

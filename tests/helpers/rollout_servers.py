@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import ray
 from helpers.configs import CPU
+from helpers.shared_cluster import forked_runtime_env
 
 from vlmrl.plan import resolve
 from vlmrl.workers.rollout_server import start_rollout_server
@@ -19,7 +20,7 @@ def launched_server(config, max_concurrency: int) -> Iterator:
     started = not ray.is_initialized()
     if started:
         # address="local": a Ray of our own, even while another process on this machine runs one.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=forked_runtime_env())
     handle = start_rollout_server(config, resolve(config, CPU), max_concurrency=max_concurrency)
     try:
         yield handle
