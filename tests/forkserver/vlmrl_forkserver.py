@@ -11,8 +11,9 @@ How:
 - The session's fork server (``serve``, started by ``tests/helpers/shared_cluster.py``) imports ``PRELOAD`` and
   waits on a Unix socket in a directory only its user can enter, for clients that know its token.
 - The runs that join the session's cluster name this file as their workers' Python: ``runtime_env_hook`` (Ray's
-  ``RAY_RUNTIME_ENV_HOOK``) sets ``py_executable``, so Ray starts ``python vlmrl_forkserver.py <worker script and
-  arguments>`` instead of ``python <worker script and arguments>``.
+  ``RAY_RUNTIME_ENV_HOOK``) sets ``py_executable``, so Ray starts ``python vlmrl_forkserver.py --connect <dir>
+  <worker script and arguments>`` instead of ``python <worker script and arguments>``. The tests that start Ray in
+  pytest's process give their jobs the same ``py_executable`` (``forked_runtime_env``).
 - That process is a client (``client``): it sends its arguments, environment, working directory and its standard
   streams (the descriptors themselves) to the server, which forks. The child takes them on, and runs the worker
   script as ``python`` would have (``become``). The suite's ``python -m vlmrl.main`` runs that join the cluster

@@ -42,8 +42,8 @@ DISABLE_ENV = "VLMRL_TESTS_OWN_CLUSTERS"
 """Set to 1 to have every run start a cluster of its own again (to compare, or to rule the sharing out)."""
 
 FORKSERVER_ENV = "VLMRL_TESTS_FORKSERVER"
-"""Set to 0 to have the runs that join the cluster start their Ray workers cold (tests/forkserver: to compare, or to
-rule the fork server out)."""
+"""Set to 0 to have the joining runs' drivers and Ray workers, and the workers of the tests' own local clusters, start
+cold (tests/forkserver: to compare, or to rule the fork server out)."""
 
 _lock = threading.Lock()
 _holder: subprocess.Popen | None = None
