@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from helpers.processes import alive
 from helpers.runs import run_command, tail
 from helpers.shared_cluster import FORKSERVER, join_env
 
@@ -60,7 +61,7 @@ def test_the_client_passes_signals_on_and_a_dead_client_takes_its_child_along(tm
     script = tmp_path / "wait.py"
     script.write_text(WAIT)
     client = _client(script, cwd=tmp_path)
-    child = int(client.stdout.readline())
+    client.stdout.readline()  # the child's pid: its handler is in place
     client.send_signal(signal.SIGTERM)
     out, _ = client.communicate(timeout=60)
     assert "got SIGTERM" in out and client.returncode == 7
@@ -70,17 +71,9 @@ def test_the_client_passes_signals_on_and_a_dead_client_takes_its_child_along(tm
     client.kill()
     client.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(child)
 
 
 # A driver that joins the session's cluster: its actor reports whether its process started with torch imported.

@@ -19,6 +19,7 @@ import textwrap
 import time
 
 import pytest
+from helpers.processes import alive
 from helpers.runs import REPO
 
 from vlmrl.config import ConfigError
@@ -72,14 +73,6 @@ _SPAWNER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_managers_reward_processes_take_their_children_with_them(tmp_path):
     (tmp_path / "spawner.py").write_text(_SPAWNER)
     pid_file = tmp_path / "grandchild.pid"
@@ -89,16 +82,16 @@ def test_a_killed_managers_reward_processes_take_their_children_with_them(tmp_pa
         assert manager.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     grandchild = int(pid_file.read_text())
-    assert _alive(grandchild)
+    assert alive(grandchild)
     manager.send_signal(signal.SIGKILL)
     manager.wait()
     deadline = time.monotonic() + 15
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.2)
-    alive = _alive(grandchild)
-    if alive:
+    running = alive(grandchild)
+    if running:
         os.kill(grandchild, signal.SIGKILL)
-    assert not alive, "the reward function's child outlived its killed manager"
+    assert not running, "the reward function's child outlived its killed manager"
 
 
 def test_a_module_that_exits_at_import_fails_validation_not_the_driver(tmp_path):

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.processes import alive
 
 from vlmrl.reward.function import RewardFunctionError
 from vlmrl.reward.manager import SequentialFunctionRewardManager
@@ -34,23 +35,15 @@ def _write(tmp_path: Path, source: str, name: str = "reward.py") -> str:
     return str(path)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 def _wait_dead(pids: list[int], seconds: float = 10.0) -> list[int]:
     """The pids still alive after ``seconds`` (killed here, so that a failing test leaves nothing behind)."""
     deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [p for p in pids if _alive(p)]
-    for pid in alive:
+    left = [p for p in pids if alive(p)]
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
-    return alive
+    return left
 
 
 def _run(sandbox: Sandbox, payloads: list) -> list:

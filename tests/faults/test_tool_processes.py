@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import pytest
+from helpers.processes import alive
 
 from vlmrl.config import ConfigError
 from vlmrl.rollout.turns.tools import ToolContext, ToolPoolExhausted, ToolRunner, ToolStatus, load_tools
@@ -64,14 +65,6 @@ def _context(state: dict | None = None) -> ToolContext:
                        sample_id="s0")  # fmt: skip
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_os_exit_in_a_tool_ends_its_process_not_the_worker(tools):
     runner = ToolRunner(tools, timeout=60, processes=1)
     try:
@@ -94,12 +87,12 @@ def test_a_hung_tools_process_is_killed_at_the_timeout(tools, tmp_path):
         assert hung.status is ToolStatus.timeout, hung
         pid = int(pid_file.read_text())
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        alive = _alive(pid)
-        if alive:
+        running = alive(pid)
+        if running:
             os.kill(pid, signal.SIGKILL)
-        assert not alive, "the hung tool's process was not killed"
+        assert not running, "the hung tool's process was not killed"
         assert asyncio.run(runner.call("count", {}, _context())).status is ToolStatus.ok
     finally:
         runner.close()

@@ -5,6 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (which has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def descendants(root: int) -> list[int]:
     """Every process below ``root``, from /proc."""
     children: dict[int, list[int]] = {}

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from helpers.shared_cluster import FORKED_RUN_ENV, FORKSERVER, FORKSERVER_DIR, join_env
+from helpers.shared_cluster import FORKSERVER, FORKSERVER_DIR, join_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,13 +80,8 @@ def run_command(
     """
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     if not own_cluster and "RAY_ADDRESS" not in (env or {}):
-        base.update(join_env())
-        if not forked:  # the driver and its workers start cold
-            for name in (*FORKED_RUN_ENV, "PYTHONPATH"):
-                base.pop(name, None)
-            if "PYTHONPATH" in os.environ:
-                base["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        elif FORKSERVER_DIR in base and command[0] == sys.executable:
+        base.update(join_env(forked))
+        if FORKSERVER_DIR in base and command[0] == sys.executable:
             command = [sys.executable, str(FORKSERVER), "--connect", base[FORKSERVER_DIR], *command[1:]]
     return subprocess.run(
         command, cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout

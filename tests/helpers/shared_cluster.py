@@ -31,8 +31,6 @@ from pathlib import Path
 FORKSERVER = Path(__file__).resolve().parents[1] / "forkserver" / "vlmrl_forkserver.py"
 FORKSERVER_DIR = "VLMRL_FORKSERVER_DIR"
 """In a joining run's environment: the fork server's directory (its socket and token)."""
-FORKED_RUN_ENV = (FORKSERVER_DIR, "RAY_RUNTIME_ENV_HOOK")
-"""What ``join_env`` adds for the fork server, PYTHONPATH aside."""
 
 NUM_CPUS = 32
 """Logical CPUs: more than any one run places (workers, rollout servers, reward actors), with room for the actors
@@ -52,16 +50,16 @@ _forkserver_dir: str | None = None
 _env: dict[str, str] = {}
 
 
-def join_env() -> dict[str, str]:
-    """What a run's environment needs to join the session's cluster (started on first call), and to start its
-    workers through the fork server; {} when disabled."""
+def join_env(forked: bool = True) -> dict[str, str]:
+    """What a run's environment needs to join the session's cluster (started on first call), and, ``forked``, to
+    start its workers through the fork server; {} when disabled."""
     global _holder, _env
     if os.environ.get(DISABLE_ENV) == "1":
         return {}
     with _lock:
         if _holder is None or _holder.poll() is not None:  # not started yet, or gone: start one
             _holder, _env = _start()
-        return {**_env, **_forkserver_env()}
+        return {**_env, **(_forkserver_env() if forked else {})}
 
 
 def forked_runtime_env() -> dict:
