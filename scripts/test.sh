@@ -16,6 +16,9 @@ if ! assets_log=$(.venv/bin/python -m vlmrl.testing.assets --quickstart 2>&1); t
     echo "test.sh: building the tiny test assets failed" >&2
     exit 1
 fi
+# The project's own modules compiled to bytecode once (a few seconds): where PYTHONDONTWRITEBYTECODE is set, as on
+# CI's machine, every process of every run the suite starts would otherwise compile each module it imports again.
+.venv/bin/python -m compileall -q -j 0 vlmrl tests benchmarks > /dev/null || true
 workers=()
 if [ "${VLMRL_TEST_WORKERS:-0}" != 0 ]; then
     workers=(-n "$VLMRL_TEST_WORKERS" --dist loadgroup)

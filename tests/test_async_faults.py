@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import process_of
-from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics
+from helpers.runs import REPO, SMALL, experiment_dir, joined, main_command, read_metrics
 
 B = 2  # SMALL's groups per step
 ARGS = [
@@ -62,8 +62,7 @@ def _run_until_step(tmp: Path, policy: str, step: int, then) -> tuple[int, str]:
     """Start the run, wait for ``step``'s metrics, call ``then(proc)``, and wait for the run to end (it must
     end by itself within 5 minutes: a hang fails the test). Its exit code and output."""
     log = tmp / "log.txt"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    command = main_command(tmp, *ARGS, f"worker.rollout.async_rl.stale_policy={policy}")
+    command, env = joined(main_command(tmp, *ARGS, f"worker.rollout.async_rl.stale_policy={policy}"))
     metrics = experiment_dir(tmp) / "metrics.jsonl"
     with log.open("w") as sink:  # a file, not a pipe: nobody reads a pipe while we wait
         proc = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)

@@ -7,14 +7,13 @@ each checks one promise of the loop.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers.runs import E2E_API_KEY, E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, REPO, read_metrics
+from helpers.runs import E2E_API_KEY, E2E_N, E2E_PROMPTS, E2E_SAMPLES_LOGGED, E2E_STEPS, read_metrics, run_command
 from safetensors.torch import load_file
 
 STEPS = E2E_STEPS
@@ -62,9 +61,9 @@ def test_actor_parameters_changed(run):
 def _fresh_vllm_greedy(model_dirs: list[Path], data_file: Path, generations: list[dict]) -> list[list[dict]]:
     """A fresh engine's greedy decode for each of ``model_dirs`` (one subprocess, one engine after the other)."""
     requests = [f"{g['row']}:{len(g['response_ids'])}" for g in generations]
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "tests/helpers/vllm_greedy.py", ",".join(map(str, model_dirs)), str(data_file), *requests],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

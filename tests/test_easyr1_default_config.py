@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import yaml
 from helpers.configs import GPUS
-from helpers.runs import REPO, tail
+from helpers.runs import REPO, run_command, tail
 
 from vlmrl.config import parse_config, to_dict
 from vlmrl.plan import resolve
@@ -100,10 +98,9 @@ CPU_SIZES = [  # what a CPU can train in seconds; every other value stays EasyR1
 def easyr1_run(text_assets, tmp_path_factory):
     """``python -m vlmrl.main config=<EasyR1's file>`` with our model, data and 2 workers, and CPU-sized batches."""
     out = tmp_path_factory.mktemp("easyr1") / "outputs"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     command = [sys.executable, "-m", "vlmrl.main", EASYR1, *ours(text_assets, workers=2), *CPU_SIZES,
                f"trainer.output_dir={out}"]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_command(command, timeout=900)
     assert proc.returncode == 0, tail(proc)
     # EasyR1's project and experiment names, unchanged.
     return out / "easy_r1" / "qwen2_5_7b_math_grpo", proc

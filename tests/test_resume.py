@@ -7,7 +7,6 @@ seconds per step (tests/helpers/runs.py).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +16,11 @@ from helpers.trajectories import Response, batch_of
 from helpers.runs import (
     E2E_STEPS,
     E2E_TRAINING,
-    REPO,
     SMALL,
     experiment_dir,
     logging_reward,
     read_metrics,
+    run_command,
     run_main,
     tail,
 )
@@ -137,10 +136,9 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(uninterrup
 def test_export_writes_the_checkpointed_actor_as_a_hf_model(uninterrupted, tmp_path):
     checkpoint = experiment_dir(uninterrupted, "e2e") / "checkpoints" / f"global_step_{STEPS}"
     exported = tmp_path / "exported"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vlmrl.export", str(checkpoint / "actor"), "--output", str(exported)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_command(
+        [sys.executable, "-m", "vlmrl.export", str(checkpoint / "actor"), "--output", str(exported)], timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "processor_config.json"):
         assert (exported / name).is_file(), name
@@ -150,10 +148,9 @@ def test_export_writes_the_checkpointed_actor_as_a_hf_model(uninterrupted, tmp_p
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in weights)
     # vLLM loads it, and its greedy tokens are the argmax of the exported model's own logits.
-    vllm = subprocess.run(
-        [sys.executable, "tests/helpers/vllm_greedy.py", str(exported), str(_val_file()), "0:6", "1:6"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    vllm = run_command(
+        [sys.executable, "tests/helpers/vllm_greedy.py", str(exported), str(_val_file()), "0:6", "1:6"], timeout=300
+    )
     assert vllm.returncode == 0, vllm.stderr[-3000:]
     greedy = json.loads(next(line for line in vllm.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
     _assert_hf_argmax_matches(exported, greedy)

@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers.runs import REPO
+from helpers.runs import run_command
 
 from vlmrl.workers.trainer import process_group_backend
 from vlmrl.rollout.engine.vllm import VLLMEngine
@@ -62,9 +61,9 @@ def test_stream_over_two_ranks_equals_the_whole_state_dict(tmp_path):
 
 @pytest.fixture(scope="module")
 def live_resync(tiny_assets):
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "tests/helpers/resync_check.py", "check", str(tiny_assets.model_dir), str(tiny_assets.val_file)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))

@@ -11,15 +11,11 @@ sample at a time) and log its sub-scores.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers.runs import run_command
 
 EASYR1_REWARD = textwrap.dedent(
     r"""
@@ -86,8 +82,7 @@ def test_an_easyr1_batch_reward_function_runs_in_a_training_step(tiny_assets, tm
         f"worker.reward.reward_function={reward_file}:compute_score",
         "worker.reward.reward_function_kwargs.format_weight=0.25",
     ]  # fmt: skip
-    env = {**os.environ, "VLMRL_CACHE_DIR": str(tiny_assets.model_dir.parents[1])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_command(cmd, env={"VLMRL_CACHE_DIR": str(tiny_assets.model_dir.parents[1])})
     assert proc.returncode == 0, f"vlmrl.main failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-10000:]}"
     lines = (output_dir / "vlmrl" / "easyr1_reward" / "metrics.jsonl").read_text().splitlines()
     (metrics,) = [json.loads(line) for line in lines]

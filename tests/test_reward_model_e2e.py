@@ -8,13 +8,11 @@ per sample, in [0, 1], and mostly the verdict exact match would give (the judge 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
-from helpers.runs import REPO, read_metrics, tail
+from helpers.runs import read_metrics, run_command, tail
 
 STEPS = 2
 REWARD = textwrap.dedent(
@@ -45,11 +43,6 @@ def _command(out, tmp, placement):
     ]  # fmt: skip
 
 
-def _run(command, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from vlmrl.testing.judge_assets import ensure_judge_assets
@@ -59,7 +52,7 @@ def runs(tmp_path_factory):
     (tmp / "reward.py").write_text(REWARD)
     done = {}
     for placement in ("separate", "colocated"):
-        proc = _run(_command(tmp / "out", tmp, placement))
+        proc = run_command(_command(tmp / "out", tmp, placement), timeout=900)
         assert proc.returncode == 0, tail(proc)
         done[placement] = read_metrics(tmp / "out", placement)
     return tmp, done

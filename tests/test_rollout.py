@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from helpers.runs import REPO
+from helpers.runs import run_command
 
 
 @pytest.fixture(scope="module")
 def seeded_rollout(tiny_assets) -> dict:
     """tests/helpers/rollout_seeds.py's samples, run once for the module."""
-    proc = subprocess.run(
-        [sys.executable, "tests/helpers/rollout_seeds.py"], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    proc = run_command([sys.executable, "tests/helpers/rollout_seeds.py"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT ")).removeprefix("RESULT "))
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers.configs import CPU, QUICKSTART, problems_of
-from helpers.runs import REPO, experiment_dir, read_metrics, run_main, tail
+from helpers.runs import REPO, experiment_dir, read_metrics, run_command, run_main, tail
 from helpers.trajectories import Response, batch_of
 from transformers import AutoModelForCausalLM, AutoProcessor
 
@@ -262,13 +262,9 @@ def text_e2e(text_assets, tmp_path_factory):
 
 
 def run_main_export(actor_dir: Path, output: Path):
-    import subprocess
     import sys
 
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrl.export", str(actor_dir), "--output", str(output)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_command([sys.executable, "-m", "vlmrl.export", str(actor_dir), "--output", str(output)], timeout=300)
 
 
 def test_a_text_model_trains_with_a_critic_lora_and_packed_passes(text_e2e):

@@ -7,18 +7,17 @@ right after the save that was under way.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
-from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics
+from helpers.runs import REPO, SMALL, experiment_dir, main_command, read_metrics, run_command
 
 
 @pytest.mark.e2e
 def test_a_stop_requested_during_a_save_stops_right_after_it(tiny_assets, tmp_path):
     command = [sys.executable, str(REPO / "tests" / "helpers" / "stop_in_save.py"), "2"]
     command += main_command(tmp_path, *SMALL, "trainer.max_steps=50", "trainer.save_freq=2", "trainer.logger=[console,file]")[3:]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_command(command)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2], output[-3000:]

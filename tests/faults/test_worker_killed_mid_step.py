@@ -13,7 +13,7 @@ import time
 
 import pytest
 from helpers.processes import process_of
-from helpers.runs import REPO, SMALL, experiment_dir, main_command, run_main, tail
+from helpers.runs import REPO, SMALL, experiment_dir, joined, main_command, run_main, tail
 
 STEPS = 4
 ARGS = (*SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=1", "trainer.logger=[console,file]")
@@ -23,9 +23,9 @@ ARGS = (*SMALL, f"trainer.max_steps={STEPS}", "trainer.save_freq=1", "trainer.lo
 def test_a_run_whose_worker_is_killed_fails_and_the_same_command_resumes(tiny_assets, tmp_path):
     log = tmp_path / "log.txt"
     checkpoint_1 = experiment_dir(tmp_path) / "checkpoints" / "global_step_1" / "COMPLETE"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    command, env = joined(main_command(tmp_path, *ARGS))
     with log.open("w") as sink:
-        proc = subprocess.Popen(main_command(tmp_path, *ARGS), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 400
         while not checkpoint_1.is_file():
             assert proc.poll() is None, log.read_text()[-5000:]

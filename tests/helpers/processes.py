@@ -32,10 +32,26 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def _started(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (field 22 of /proc/PID/stat); -1 once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except OSError:
+        return -1
+
+
 def process_of(driver: int, *names: str) -> int | None:
-    """The pid of the first process below ``driver`` whose command starts with one of ``names`` (Ray names an
-    actor's process ``ray::<Class>``), or None."""
-    for pid in descendants(driver):
+    """The pid of the first process of the run started as ``driver`` whose command starts with one of ``names``
+    (Ray names an actor's process ``ray::<Class>``), or None.
+
+    The run's processes are those below ``driver`` and, for a run that joined the session's cluster with forked
+    workers (helpers.runs.joined), the fork server's children started after ``driver``: tests run one at a time,
+    so those are this run's."""
+    from helpers.shared_cluster import forkserver_pid
+
+    server, since = forkserver_pid(), _started(driver)
+    forked = [p for p in descendants(server) if _started(p) >= since >= 0] if server is not None else []
+    for pid in [*descendants(driver), *forked]:
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
         except OSError:

@@ -78,14 +78,21 @@ def run_command(
     (tests/forkserver), with torch, transformers and vLLM imported, unless ``forked`` is false: a run whose test reads
     what a cold start prints (the console's) says ``forked=False``.
     """
+    command, full_env = joined(command, env, own_cluster=own_cluster, forked=forked)
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def joined(
+    command: list[str], env: dict | None = None, own_cluster: bool = False, forked: bool = True
+) -> tuple[list[str], dict[str, str]]:
+    """The command and full environment that ``run_command`` starts (see there), for a test that starts the run
+    with ``subprocess.Popen`` to act on it while it runs."""
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     if not own_cluster and "RAY_ADDRESS" not in (env or {}):
         base.update(join_env(forked))
         if FORKSERVER_DIR in base and command[0] == sys.executable:
             command = [sys.executable, str(FORKSERVER), "--connect", base[FORKSERVER_DIR], *command[1:]]
-    return subprocess.run(
-        command, cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout
-    )
+    return command, {**base, **(env or {})}
 
 
 def experiment_dir(output_dir: Path, experiment: str = "run") -> Path:

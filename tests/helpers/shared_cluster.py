@@ -62,6 +62,12 @@ def join_env(forked: bool = True) -> dict[str, str]:
         return {**_env, **(_forkserver_env() if forked else {})}
 
 
+def forkserver_pid() -> int | None:
+    """The fork server's pid while it runs, else None."""
+    with _lock:
+        return _forkserver.pid if _forkserver is not None and _forkserver.poll() is None else None
+
+
 def forked_runtime_env() -> dict:
     """The runtime_env for a test's own ``ray.init``: the job's workers start as forks of the session's fork
     server ({} when it is disabled)."""
