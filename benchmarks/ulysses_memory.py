@@ -28,16 +28,38 @@ RESULTS = Path(__file__).resolve().parent / "results" / "ulysses_memory.json"
 RESPONSE = 64
 
 
-class SavedBytes:
-    """Bytes of the tensors autograd saves, each storage once, attributed to the vision tower while it runs."""
+def _tensors(obj, depth: int = 0):
+    """Every tensor held by ``obj`` (a batch: its fields, and the dicts and lists in them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value, depth + 1)
+    elif depth < 4 and hasattr(obj, "__dict__"):
+        yield from _tensors(vars(obj), depth + 1)
 
-    def __init__(self, model: torch.nn.Module):
-        self.seen: set[int] = set()
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves, each storage once, attributed to the vision tower while it runs.
+
+    The weights, the batch and the model's inputs are held whatever SP does (a linear layer saves its weight, the
+    vision tower's first layer a view of the pixels), so they are left out: what is counted is the activations."""
+
+    def __init__(self, model: torch.nn.Module, batch=None):
+        held = [*model.parameters(), *model.buffers(), *_tensors(batch)]
+        self.seen: set[int] = {t.untyped_storage().data_ptr() for t in held}
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
         self.bytes = {"vision": 0, "rest": 0}
         self.in_vision = False
         visual = model.model.visual if hasattr(model, "model") else model.visual
         visual.register_forward_pre_hook(lambda *_: setattr(self, "in_vision", True))
         visual.register_forward_hook(lambda *_: setattr(self, "in_vision", False))
+
+    def _inputs(self, _module, args, kwargs) -> None:
+        self.seen.update(t.untyped_storage().data_ptr() for t in _tensors([args, kwargs]))
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -112,7 +134,7 @@ def measure(model_dir: str, batch, allowed, sequence=None) -> dict[str, int]:
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     if sequence is not None:
         ulysses.install(model)
-    saved = SavedBytes(model)
+    saved = SavedBytes(model, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with saved.context():
         update_policy(model, optimizer, batch, settings(), allowed, sequence=sequence)

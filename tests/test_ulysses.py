@@ -453,3 +453,34 @@ def test_sequence_parallel_lora_gives_the_same_log_probs_and_adapter_step_as_one
             torch.testing.assert_close(
                 mine["step"][name], alone["step"][name], atol=2e-6, rtol=1e-4, msg=lambda m, k=name: f"{k}: {m}"
             )
+
+
+def test_the_attention_keeps_no_whole_row_mask_and_attends_within_each_packed_sequence():
+    """Three packed sequences (lengths 5, 3 and 4, then 2 tokens of padding to split 2 ways) through the Ulysses
+    attention of a group of one: each sequence's output is SDPA's causal attention over that sequence alone, and
+    nothing autograd keeps for the backward is T x T (a dense mask, which SDPA copies to float per layer, would
+    be; at 32k tokens that is 4 GiB a layer)."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    inputs = {"input_ids": torch.zeros(1, 12, dtype=torch.long), "position_ids": positions}
+    group = ulysses.SequenceGroup(None, 2, 0)
+    padded, shard = ulysses.split(inputs, torch.tensor([3, 6, 10]), group)
+    assert shard.length == 12 and shard.sequences == ((0, 5), (5, 8), (8, 12))
+    padded, shard = ulysses.split({**inputs, "input_ids": inputs["input_ids"][:, :11],
+                                   "position_ids": positions[:, :11]}, torch.tensor([3]), group)  # fmt: skip
+    assert shard.length == 12 and shard.sequences == ((0, 5), (5, 8), (8, 11), (11, 12))  # the padding's own
+    alone = ulysses.SequenceGroup(None, 1, 0)
+    _, shard = ulysses.split(inputs, torch.tensor([3, 6, 10]), alone)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=gen, requires_grad=True) for _ in range(3))
+    shapes = []
+    before, ulysses._active = ulysses._active, shard
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out, _ = ulysses._attention(None, q, k, v, None)  # (b, t, H, d)
+    finally:
+        ulysses._active = before
+    assert not [s for s in shapes if s[-2:] == (12, 12)], shapes
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for a, b in shard.sequences:
+        expected = sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out[:, a:b], expected)

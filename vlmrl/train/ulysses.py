@@ -7,17 +7,17 @@ and rank ``r`` runs the decoder layers on tokens ``[r T/sp, (r+1) T/sp)``
 only, its 3-D rotary positions with them. In each attention layer the
 queries, keys and values go from sequence-sharded to head-sharded by an
 all-to-all (each rank then sees the whole row for ``heads/sp`` heads), the
-attention runs over the whole row with the packed sequences' block-diagonal
-causal mask, and a second all-to-all brings the output back to
-sequence-sharded. So the activations of the decoder stack are ``1/sp`` of the
-row on each rank; the attention's scores are the whole row's, for a share of
-the heads.
+attention runs causally within each of the row's packed sequences in turn
+(no whole-row mask: that would be ``T x T`` per layer), and a second
+all-to-all brings the output back to sequence-sharded. So the activations of
+the decoder stack are ``1/sp`` of the row on each rank; the attention's
+scores are each sequence's, for a share of the heads.
 
 How it hooks into transformers (5.x): the decoder stack's attention
 implementation is set to ``ATTENTION``, a function registered in
 transformers' ``AttentionInterface`` that runs torch's SDPA between the
 two all-to-alls. transformers builds no mask for a name it has no mask
-function for; the function builds its own from the whole row's sequence
+function for; the function runs each sequence on its own from the whole row's sequence
 boundaries. A forward pre-hook on the decoder stack (``model.get_decoder()``)
 cuts its input embeddings and position ids to the rank's slice, after the
 model has embedded the tokens and merged the image features into them.
@@ -102,8 +102,8 @@ class Shard:
     """(K_r,) those positions, counted from the slice's start."""
     counts: list[int]
     """Logit positions in each rank's slice, in rank order."""
-    mask: torch.Tensor
-    """(1, 1, length, length) bool, True where a query may attend to a key: causal within each packed sequence."""
+    sequences: tuple[tuple[int, int], ...]
+    """(start, stop) of each packed sequence in the padded row: a token attends, causally, within its own only."""
 
     @property
     def start(self) -> int:
@@ -131,14 +131,13 @@ def split(inputs: dict, logit_index: torch.Tensor, group: SequenceGroup) -> tupl
     text = positions[0] if positions.dim() == 3 else positions  # (1, length) position within each sequence
     starts = torch.ones_like(text[0], dtype=torch.bool)
     starts[1:] = text[0, 1:] != text[0, :-1] + 1  # a sequence starts where the text position does not step by one
-    segment = torch.cumsum(starts.long(), 0)  # (length,) sequence number of each token
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment.device).tril()
-    mask = (causal & (segment[:, None] == segment[None, :]))[None, None]
+    bounds = [*starts.nonzero().flatten().tolist(), length]
+    sequences = tuple(zip(bounds[:-1], bounds[1:]))
     slice_length = length // group.size
     owner = logit_index // slice_length  # (K,) the rank whose slice holds each logit position
     counts = torch.bincount(owner.cpu(), minlength=group.size).tolist()
     keep = owner == group.rank
-    shard = Shard(group, length, keep, logit_index[keep] - group.rank * slice_length, counts, mask)
+    shard = Shard(group, length, keep, logit_index[keep] - group.rank * slice_length, counts, sequences)
     return {**inputs, "input_ids": input_ids, "position_ids": positions}, shard
 
 
@@ -304,6 +303,9 @@ def _heads_to_tokens(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """SDPA over the whole packed row for a share of the heads, between two all-to-alls; output (b, t, H, d).
 
+    Each packed sequence attends causally within itself (``is_causal`` on its own span), so no ``T x T`` mask is
+    built: SDPA turns a boolean mask into a float one per layer, which a 32k-token row would make 4 GiB each.
+
     Query head ``j`` uses key/value head ``j // (H / H_kv)`` (transformers' ``repeat_kv``). Key/value heads
     that do not split over the group are repeated to one per query head before the exchange.
     """
@@ -318,9 +320,13 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         query, key, value = (_tokens_to_heads(x, group) for x in (query, key, value))
     if key.shape[1] != query.shape[1]:
         key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=shard.mask.to(query.device), dropout_p=dropout, scale=scaling
-    )  # (b, H/sp, T, d)
+    spans = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling
+        )
+        for a, b in shard.sequences
+    ]
+    out = spans[0] if len(spans) == 1 else torch.cat(spans, dim=2)  # (b, H/sp, T, d)
     if group.size > 1:
         out = _heads_to_tokens(out, group)
     return out.transpose(1, 2).contiguous(), None
