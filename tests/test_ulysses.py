@@ -22,7 +22,7 @@ are odd (so the row is padded to split):
 - Qwen3-VL's log-probs and entropy on two image rows (its deepstack image
   features go to the rank holding their tokens), and a text causal LM's on
   three text rows (its decoder embeds the tokens itself);
-- the log-probs of video rows (videos are encoded whole on every rank);
+- the log-probs of video rows, and that each rank encodes a share of their frames (a video is cut between the ranks frame by frame);
 - a LoRA actor (adapters on the decoder's linear layers, made from the same seed in every process): its
   log-probs and one SGD step of its adapters.
 
@@ -115,14 +115,14 @@ def batch_and_mask(tiny_assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def video_batch(tiny_assets, tmp_path_factory):
-    """A video row and a video-and-image row on the tiny Qwen2.5-VL, responses of 3 and 2 tokens (the videos are
-    encoded whole on every rank; their tokens are cut like the others)."""
+    """A video row and a video-and-image row on the tiny Qwen2.5-VL, responses of 3 and 2 tokens: 3 temporal
+    patches and 1, so that the group of 2 cuts the first video's frames between its ranks."""
     tmp = tmp_path_factory.mktemp("ulysses_video")
     rows = [
         {"problem": "What happens in <video>?", "answer": "a", "images": None,
-         "videos": [write_video(tmp / "v.mp4", frames=8, fps=4)]},
+         "videos": [write_video(tmp / "v.mp4", frames=6, fps=2)]},
         {"problem": "Clip then a picture.", "answer": "b", "images": [png(56, 56)],
-         "videos": [write_video(tmp / "short.mp4", frames=3, fps=2)]},
+         "videos": [write_video(tmp / "short.mp4", frames=2, fps=2)]},
     ]  # fmt: skip
     processor = AutoProcessor.from_pretrained(tiny_assets.model_dir)
     dataset = RLHFDataset(
@@ -216,6 +216,15 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _tower_frames(model: torch.nn.Module) -> tuple[list[int], object]:
+    """The frames (temporal patches) the vision tower encodes in each of its calls, and the hook's handle."""
+    frames: list[int] = []
+    handle = model.model.visual.register_forward_hook(
+        lambda _module, _args, kwargs, _out: frames.append(int(kwargs["grid_thw"][:, 0].sum())), with_kwargs=True
+    )
+    return frames, handle
+
+
 def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, text_lm, videos, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=SP)
@@ -228,8 +237,11 @@ def _rank(rank: int, init_file: str, model_dir: str, batch, allowed, qwen3_vl, t
     # As the worker does with enable_gradient_checkpointing: the layers run again in the backward (alone does not).
     model.gradient_checkpointing_enable()
     group = ulysses.SequenceGroup.of_world(SP)
+    frames, hook = _tower_frames(model)
     videos = compute_log_probs(model, videos, MicroBatching(2, padding_free=True), allowed, sequence=group)
-    out = {"group": (group.size, group.rank), "videos": videos, **_passes(model, batch, allowed, group)}
+    hook.remove()
+    out = {"group": (group.size, group.rank), "videos": videos, "video_frames": frames}
+    out |= _passes(model, batch, allowed, group)
     lora = _lora_model(model_dir)
     ulysses.install(lora)
     lora = shard(lora, list(lora._no_split_modules), mesh, ShardOptions.from_config(fsdp, "cpu"))
@@ -263,7 +275,10 @@ def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, video_batch, tmp_path_f
     batch, allowed = batch_and_mask
     model_dir = str(tiny_assets.model_dir)
     alone = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    frames, hook = _tower_frames(alone)
     out = {"videos": compute_log_probs(alone, video_batch, MicroBatching(2, padding_free=True), allowed)}
+    hook.remove()
+    out["video_frames"] = frames
     out |= {"alone": _passes(alone, batch, allowed, None), "critic": _critic_passes(_critic(model_dir), batch, None)}
     out["lora"] = _passes(_lora_model(model_dir), batch, allowed, None)
     path, family_batch, family_allowed = qwen3_vl
@@ -341,6 +356,16 @@ def test_sequence_parallel_video_rows_match_one_rank(runs, video_batch):
     for rank in range(SP):
         torch.testing.assert_close(runs[rank]["videos"][0], log_probs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(runs[rank]["videos"][1], entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_each_rank_of_a_group_encodes_its_share_of_the_video_frames(runs, video_batch):
+    # One micro-batch holds both rows. Its image (one frame: fewer than the ranks) is encoded on both ranks; the
+    # videos' 3 + 1 temporal patches are cut 2 | 2, so the first video's frames are split between the ranks,
+    # and each frame is encoded once in the group (the log-probs above match one rank's).
+    assert [int(mm["video_grid_thw"][:, 0].sum()) for mm in video_batch.mm_inputs] == [3, 1]
+    assert runs["video_frames"] == [1, 4]  # alone: the image, then the videos
+    for rank in range(SP):
+        assert runs[rank]["video_frames"] == [1, 2], rank
 
 
 def test_sequence_parallel_text_lm_log_probs_match_one_rank(runs):

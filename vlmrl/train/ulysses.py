@@ -22,14 +22,16 @@ boundaries. A forward pre-hook on the decoder stack (``model.get_decoder()``)
 cuts its input embeddings and position ids to the rank's slice, after the
 model has embedded the tokens and merged the image features into them.
 
-Images: with at least as many images in the micro-batch as ranks, each rank
-runs the vision tower on a contiguous run of them and the features of all
-are gathered over the group (an all-gather; the backward sums each image's
-gradients on the rank that encoded it), so every rank merges the whole
-row's features and keeps its slice. With fewer images than ranks every rank
-encodes them all. (Routing each image's features to the ranks holding its
-tokens only would move less; the all-gather moves every image's.) Videos are
-encoded whole on every rank.
+Images and videos: the tower encodes each frame apart (an image is one frame,
+a video ``t`` temporal patches), so with at least as many frames in the
+micro-batch as ranks, each rank runs the tower on a contiguous run of them
+and the features of all are gathered over the group (an all-gather; the
+backward sums each frame's gradients on the rank that encoded it), so every
+rank merges the whole row's features and keeps its slice. With fewer frames
+than ranks every rank encodes them all. (Routing each frame's features to
+the ranks holding its tokens only would move less, but the family's forward
+merges them into the whole row's embeddings, which every rank holds, before
+the decoder's slice is cut.)
 
 Each rank's ``lm_head`` runs only on the logit positions inside its slice;
 ``gather`` joins the per-token values (log-probs, entropy) of the group in
@@ -183,54 +185,71 @@ def sharded(model: torch.nn.Module, shard: Shard):
     if decoder.config._attn_implementation != ATTENTION:
         raise RuntimeError("the model's decoder does not run the Ulysses attention; call ulysses.install(model) first")
     handle = decoder.register_forward_pre_hook(_slice_inputs(shard), with_kwargs=True)
-    # The modules whose forward encodes images (they hold the tower): each rank encodes a share of the images.
-    # An instance attribute over the class's method, or over share_image_features' one, put back after.
+    # The modules whose forward encodes images and videos (they hold the tower): each rank encodes a share of the
+    # frames. Instance attributes over the class's methods (or over share_image_features' one), put back after.
     encoders = []
     if shard.group.size > 1:
         encoders = [m for m in model.modules() if "visual" in m._modules and hasattr(m, "get_image_features")]
-    previous = [m.__dict__.get("get_image_features") for m in encoders]
+    names = ("get_image_features", "get_video_features")
+    previous = [{n: m.__dict__.get(n) for n in names} for m in encoders]
     for module in encoders:
-        module.get_image_features = _image_share(module.get_image_features, module.visual, shard.group)
+        busy = [False]  # one share per encoding: Qwen3-VL's video method calls its image method
+        for name in names:
+            if hasattr(module, name):
+                setattr(module, name, _frame_share(getattr(module, name), module.visual, shard.group, busy))
     _active = shard  # left set after the forward: gradient checkpointing runs the layers again in the backward
     try:
         yield
     finally:
         handle.remove()
-        for module, method in zip(encoders, previous):
-            del module.get_image_features
-            if method is not None:
-                module.get_image_features = method
+        for module, methods in zip(encoders, previous):
+            for name, method in methods.items():
+                module.__dict__.pop(name, None)
+                if method is not None:
+                    setattr(module, name, method)
 
 
-def _image_share(inner, tower: torch.nn.Module, group: SequenceGroup):
-    """``get_image_features`` that encodes this rank's share of the images and gathers every image's features.
+def _frame_share(inner, tower: torch.nn.Module, group: SequenceGroup, busy: list[bool]):
+    """``get_image_features`` or ``get_video_features`` that encodes this rank's share of the frames and gathers
+    every frame's features.
 
-    The images are cut into ``group.size`` contiguous runs, one per rank, so each rank runs the tower once on
-    a share (the FSDP-sharded tower is then called once on every rank). With fewer images than ranks, every
-    rank encodes them all, as without the share. The gather's backward sums the ranks' gradients of each
-    image's features on the rank that encoded it (``_GatherRows``).
+    The tower encodes each frame apart: its attention spans one ``(h, w)`` grid at a time (``cu_seqlens`` per
+    temporal patch), and its positions repeat for every frame. So a video of ``t`` temporal patches is ``t``
+    items of grid ``(1, h, w)`` here, as an image is one. The items are cut into ``group.size`` contiguous runs,
+    one per rank, so each rank runs the tower once on a share (the FSDP-sharded tower is then called once on
+    every rank). With fewer items than ranks, every rank encodes them all: a rank with none would still have to
+    run the sharded tower, whose parameters the ranks gather together. The gather's backward sums the ranks'
+    gradients of each frame's features on the rank that encoded it (``_GatherRows``).
     """
 
-    def encode(pixel_values, image_grid_thw=None, **kwargs):
-        n = 0 if image_grid_thw is None else len(image_grid_thw)
-        if n < group.size or not kwargs.get("return_dict"):
-            return inner(pixel_values, image_grid_thw, **kwargs)
-        patches = image_grid_thw.prod(-1).tolist()
-        tokens = [p // tower.spatial_merge_size**2 for p in patches]
-        owner = [i * group.size // n for i in range(n)]  # contiguous runs, each rank at least one image
+    def encode(pixels, grid=None, **kwargs):
+        n = 0 if grid is None else int(grid[:, 0].sum())
+        if busy[0] or n < group.size or not kwargs.get("return_dict"):
+            return inner(pixels, grid, **kwargs)
+        one = grid.clone()
+        one[:, 0] = 1
+        items = one.repeat_interleave(grid[:, 0], dim=0)  # (n, 3): every frame an item of its own
+        patches = items.prod(-1).tolist()
+        merge = tower.spatial_merge_size**2
+        owner = [i * group.size // n for i in range(n)]  # contiguous runs, each rank at least one frame
         mine = [i for i in range(n) if owner[i] == group.rank]
         first, last = sum(patches[: mine[0]]), sum(patches[: mine[-1] + 1])
-        out = inner(pixel_values[first:last], image_grid_thw[mine[0] : mine[-1] + 1], **kwargs)
+        busy[0] = True
+        try:
+            out = inner(pixels[first:last], items[mine[0] : mine[-1] + 1], **kwargs)
+        finally:
+            busy[0] = False
         deepstack = getattr(out, "deepstack_features", None)
-        layers = [out.pooler_output, *(deepstack or [])]  # each a tuple of per-image features
+        layers = [out.pooler_output, *(deepstack or [])]  # each a tuple of per-item features
         local = torch.cat([torch.cat(list(layer), dim=0) for layer in layers], dim=-1)  # (my tokens, H x layers)
-        counts = [sum(t for t, o in zip(tokens, owner) if o == r) for r in range(group.size)]
+        counts = [sum(p // merge for p, o in zip(patches, owner) if o == r) for r in range(group.size)]
         whole = _GatherRows.apply(local, group, counts).split([x[0].shape[-1] for x in layers], dim=-1)
-        per_image = [layer.split(tokens) for layer in whole]
-        out.pooler_output = per_image[0]
+        per_entry = (grid.prod(-1) // merge).tolist()  # the caller's images or videos, each its frames in order
+        split = [layer.split(per_entry) for layer in whole]
+        out.pooler_output = split[0]
         if deepstack is not None:
-            out.deepstack_features = per_image[1:]
-        if hasattr(out, "last_hidden_state"):  # the patch states of this rank's images only; no forward reads them
+            out.deepstack_features = split[1:]
+        if hasattr(out, "last_hidden_state"):  # the patch states of this rank's frames only; no forward reads them
             out.last_hidden_state = None
         return out
 
