@@ -9,13 +9,13 @@ to end in ``tests/test_multi_worker.py``.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from helpers.ranks import start_ranks
 from vlmrl.testing.tiny_qwen3_5 import build_tiny_qwen3_5_family
 from vlmrl.testing.tiny_vlm import build_tiny_vlm
 from vlmrl.train.fsdp_options import ShardOptions, shard
@@ -64,13 +64,10 @@ def model_dirs(tmp_path_factory):
 def two_rank_grads(model_dirs, tmp_path_factory):
     import torch.multiprocessing as mp
 
-    # Forked ranks start in a second, spawned ones import torch and transformers again; a fork must not inherit a
-    # process group or other threads (Ray, vLLM), so then: spawn.
-    quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
         args = (str(tmp_path_factory.mktemp("init") / "store"), model_dirs, results)
-        mp.start_processes(_two_rank_worker, args=args, nprocs=2, start_method="fork" if quiet else "spawn")
+        start_ranks(_two_rank_worker, args, 2)
         return dict(results)
 
 

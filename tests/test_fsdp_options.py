@@ -12,7 +12,6 @@ over gloo, where the reduce-scatter really crosses processes.
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers.trajectories import Response, batch_of
+from helpers.ranks import start_ranks
 from vlmrl.config import Config, DType, FSDPConfig, OffloadConfig
 from vlmrl.data.dataset import RLHFDataset
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
@@ -192,14 +192,10 @@ def test_two_ranks_train_alike_under_each_option(tiny_assets, tmp_path):
     """Two gloo ranks: real reduce-scatters, also in bf16 (measured: gloo reduces bf16 on CPU)."""
     import torch.multiprocessing as mp
 
-    # Forked ranks start in a second, where spawned ones import torch and transformers again (~20 s of CPU).
-    # A fork must not inherit a process group or other machinery (Ray, vLLM: Python threads), so then: spawn.
-    quiet = not dist.is_initialized() and threading.active_count() == 1
-    start_method = "fork" if quiet else "spawn"
     with mp.Manager() as manager:
         results = manager.dict()
         args = (str(tmp_path / "init"), str(tiny_assets.model_dir), results)
-        mp.start_processes(_two_rank_worker, args=args, nprocs=2, start_method=start_method)
+        start_ranks(_two_rank_worker, args, 2)
         results = dict(results)
     for rank in (0, 1):
         losses, weights, _ = results[rank]["default"]

@@ -14,7 +14,6 @@ DCP checkpoint under the 2 x 2 mesh, into the same mesh and into the 1-D one.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from helpers.trajectories import Response, batch_of
+from helpers.ranks import start_ranks
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
 from vlmrl.config import FSDPConfig
 from vlmrl.data.dataset import RLHFDataset
@@ -166,12 +166,10 @@ def ranks(tiny_assets, batch_and_mask, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("hsdp")
     batch, allowed = batch_and_mask
-    # Forked ranks start in a second; a fork must not inherit a process group or other threads, so then: spawn.
-    quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
         args = (str(tmp / "init"), str(tiny_assets.model_dir), batch, allowed, str(tmp / "ckpt"), results)
-        mp.start_processes(_rank, args=args, nprocs=WORLD, start_method="fork" if quiet else "spawn")
+        start_ranks(_rank, args, WORLD)
         return dict(results)
 
 

@@ -32,12 +32,12 @@ give the one-process gradient.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.ranks import start_ranks
 from vlmrl.algos import LossAvgMode, PolicyLossParams, aggregate_loss, aggregation_weight, policy_loss_ppo_clip
 from vlmrl.algos.rollout_credit import per_rollout_weights, rollout_row_shares
 from vlmrl.records import Batch, Trajectory
@@ -341,14 +341,9 @@ def _two_rank_worker(rank: int, init_file: str, results: dict) -> None:
 def test_two_ranks_with_a_rollout_between_them_give_the_one_process_gradient(tmp_path):
     import torch.multiprocessing as mp
 
-    # As tests/test_fsdp_options.py: fork when this process holds no threads or process group, else spawn.
-    quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(
-            _two_rank_worker, args=(str(tmp_path / "init"), results), nprocs=2,
-            start_method="fork" if quiet else "spawn",
-        )  # fmt: skip
+        start_ranks(_two_rank_worker, (str(tmp_path / "init"), results), 2)
         results = dict(results)
     batch = agent_batch()
     all_shares = shares_of(batch.rollout_ids, batch.response_mask)

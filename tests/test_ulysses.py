@@ -36,7 +36,6 @@ whole gradient, and FSDP averages over the 2 ranks: the whole gradient.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 from helpers.media import png, write_parquet, write_video
 from helpers.tiny_families import family_prompts
+from helpers.ranks import start_ranks
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.algos import KLEstimator, LossAvgMode, PolicyLossParams, PolicyLossType
@@ -288,11 +288,10 @@ def runs(tiny_assets, batch_and_mask, qwen3_vl, text_lm, video_batch, tmp_path_f
     text_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out["text_lm"] = compute_log_probs(text_model, text_batch, MicroBatching(3, padding_free=True), text_allowed)
     tmp = tmp_path_factory.mktemp("ulysses_ranks")
-    quiet = not dist.is_initialized() and threading.active_count() == 1
     with mp.Manager() as manager:
         results = manager.dict()
         args = (str(tmp / "init"), model_dir, batch, allowed, qwen3_vl, text_lm, video_batch, results)
-        mp.start_processes(_rank, args=args, nprocs=SP, start_method="fork" if quiet else "spawn")
+        start_ranks(_rank, args, SP)
         out |= dict(results)
     return out
 
