@@ -19,12 +19,30 @@ fi
 # The project's own modules compiled to bytecode once (a few seconds): where PYTHONDONTWRITEBYTECODE is set, as on
 # CI's machine, every process of every run the suite starts would otherwise compile each module it imports again.
 .venv/bin/python -m compileall -q -j 0 vlmrl tests benchmarks > /dev/null || true
+# The other tiny assets (a few minutes of tuning, mostly one thread) built in the background while the first tests
+# run, which leave about a third of the 2 cores idle (docs/performance.md): a test that needs one before it is ready
+# waits on its lock (vlmrl/testing/assets.py), as it would wait for its own build. Only for a whole-suite run: a
+# chosen few tests build what they use.
+prebuild_pid=""
+prebuild_log=$(mktemp -t vlmrl-prebuild.XXXXXX)
+if [ $# -eq 0 ]; then
+    nice -n 10 .venv/bin/python -m vlmrl.testing.assets --build agent text judge distill families qwen3_5 \
+        > "$prebuild_log" 2>&1 &
+    prebuild_pid=$!
+    trap 'kill "$prebuild_pid" 2>/dev/null; exit 130' INT TERM
+fi
 workers=()
 if [ "${VLMRL_TEST_WORKERS:-0}" != 0 ]; then
     workers=(-n "$VLMRL_TEST_WORKERS" --dist loadgroup)
 fi
 .venv/bin/python -m pytest -q "${workers[@]}" --durations=30 "$@"
 rc=$?
+if [ -n "$prebuild_pid" ] && ! wait "$prebuild_pid"; then
+    # The tests that needed an asset built it themselves (and failed there if it cannot be built): shown, not fatal.
+    echo "test.sh: building the other tiny assets in the background failed; last lines of its log:" >&2
+    tail -n 20 "$prebuild_log" >&2
+fi
+rm -f "$prebuild_log"
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2
     exit 1

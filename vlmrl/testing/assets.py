@@ -10,7 +10,8 @@ place, and a marker file inside it says the build finished. The directory name
 carries a hash of the builder sources and the transformers version, so a
 change to either builds a fresh copy instead of reusing a stale one.
 
-CLI: ``python -m vlmrl.testing.assets [--cache-dir D] [--quickstart]`` prints the paths.
+CLI: ``python -m vlmrl.testing.assets [--cache-dir D] [--quickstart]`` prints the paths;
+``--build GROUP ...`` also builds those ``${tiny:...}`` groups (``vlmrl.testing.resolvers.GROUPS``), in that order.
 """
 
 from __future__ import annotations
@@ -215,12 +216,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (once) and print the tiny VLM and synthetic data paths.")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $VLMRL_CACHE_DIR or <repo>/.cache/vlmrl")
     parser.add_argument("--quickstart", action="store_true", help="also the quickstart's format-tuned model and data")
+    parser.add_argument(
+        "--build", nargs="+", default=[], metavar="GROUP",
+        help="also build these ${tiny:...} asset groups, in this order (e.g. agent judge)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    # The resolvers import this module: imported here, when asked for, to keep the import one-way at load time.
+    from vlmrl.testing.resolvers import GROUPS
+
+    unknown = [name for name in args.build if name not in GROUPS]
+    if unknown:
+        parser.error(f"--build {' '.join(unknown)}: unknown group; choose from {', '.join(GROUPS)}")
     for name, path in vars(ensure_tiny_assets(args.cache_dir)).items():
         print(f"{name}={path}")
     if args.quickstart:
         for name, path in vars(ensure_quickstart_assets(args.cache_dir)).items():
             print(f"quickstart_{name}={path}")
+    cache = args.cache_dir if args.cache_dir is not None else default_cache_dir()
+    for name in args.build:
+        GROUPS[name].ensure(cache)
+        print(f"built {name}: {GROUPS[name].root(cache)}", flush=True)
 
 
 if __name__ == "__main__":
