@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -401,6 +402,15 @@ def test_cpu_peak_is_measured_and_plausible():
     peak = measure_cpu_peak_flops(threads=1, seconds=0.1, size=256)
     # One core does more than 100 MFLOP/s and less than 10 TFLOP/s of fp32 matmul.
     assert 1e8 < peak < 1e13 and math.isfinite(peak)
+
+
+def test_the_cpu_peak_of_a_dtype_without_fast_kernels_takes_about_the_time_asked():
+    # bfloat16 matmuls on a CPU without AMX run at about 1 GFLOP/s: four products of 1024 (the warm-up and the
+    # three repetitions at least) took 12.6 s of every bf16 run's start on the 2-core machine. The measurement
+    # shrinks the product instead; 0.2 s asked, 3 s allowed for a loaded machine.
+    start = time.perf_counter()
+    peak = measure_cpu_peak_flops(threads=1, dtype=torch.bfloat16, seconds=0.2)
+    assert time.perf_counter() - start < 3.0 and 1e7 < peak < 1e13
 
 
 def _lines(path: Path) -> list[dict]:
