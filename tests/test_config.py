@@ -811,6 +811,12 @@ def _without_other_todos(problems: list[str], expected: list[str]) -> list[str]:
             ["worker.rollout.gpu_memory_utilization=1.5: must be in (0, 1]"],
         ),
         (
+            ["worker.rollout.cpu_kvcache_space_gb=0", "worker.reward.reward_model.cpu_kvcache_space_gb=-1"],
+            CPU,
+            ["worker.rollout.cpu_kvcache_space_gb=0.0: must be more than 0 (GiB; 0.125 is 128 MiB)",
+             "worker.reward.reward_model.cpu_kvcache_space_gb=-1.0: must be more than 0 (GiB; 0.125 is 128 MiB)"],
+        ),
+        (
             ["trainer.max_try_make_batch=0"],
             CPU,
             ["trainer.max_try_make_batch=0: must be at least 1, or -1 for no limit"],

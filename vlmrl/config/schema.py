@@ -650,8 +650,9 @@ class RolloutConfig:
     this about doubles generation time. null: on when the decoupled loss (worker.actor.use_decoupled_loss) or the
     rollout correction (algorithm.rollout_correction, other than none) needs them. true also turns the correction on
     (truncate) unless algorithm.rollout_correction.mode says otherwise."""
-    cpu_kvcache_space_gb: int = 1
-    """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kvcache_space_gb: float = 1.0
+    """vlmrl addition: KV cache of the vLLM CPU backend, in GiB (VLLM_CPU_KVCACHE_SPACE); a fraction is allowed: the
+    tiny CPU models need a few MiB (their quickstarts set 0.125), and a start allocates all of it."""
     free_cache_engine: bool = True
     """vlmrl addition (verl's key): on GPU the engine sleeps between rollouts (vLLM sleep mode: KV cache freed,
     weights moved to host memory) so the actor's passes get its memory; no effect on CPU, which has no sleep mode."""
@@ -726,8 +727,8 @@ class RewardModelConfig:
     on_invalid: TimeoutPolicy = TimeoutPolicy.error
     """A verdict that cannot be parsed, or a score that is not finite: fail the step naming the sample (error), or
     score 0 and count it in reward_model/invalid (zero)."""
-    cpu_kvcache_space_gb: int = 1
-    """judge on CPU: the engine's KV cache in GiB."""
+    cpu_kvcache_space_gb: float = 1.0
+    """judge on CPU: the engine's KV cache in GiB (a fraction is allowed)."""
     gpu_memory_utilization: float = 0.3
     """judge on GPU: the share of its GPU the engine may take."""
 

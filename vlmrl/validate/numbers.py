@@ -130,6 +130,12 @@ def range_problems(config: Config) -> list[str]:
             "worker.rollout", rollout.temperature, rollout.top_p, rollout.top_k, None
         )
     )
+    for key, value in (
+        ("worker.rollout.cpu_kvcache_space_gb", rollout.cpu_kvcache_space_gb),
+        ("worker.reward.reward_model.cpu_kvcache_space_gb", config.worker.reward.reward_model.cpu_kvcache_space_gb),
+    ):
+        if not value > 0:
+            problems.append(f"{key}={value}: must be more than 0 (GiB; 0.125 is 128 MiB)")
     if not 0 < rollout.gpu_memory_utilization <= 1:
         problems.append(
             f"worker.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: must be in (0, 1]"

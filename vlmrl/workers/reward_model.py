@@ -75,7 +75,7 @@ class RewardModelServer:
         cfg = self.cfg
         on_cpu = self.device != "cuda"
         memory = (
-            {"kv_cache_memory_bytes": cfg.cpu_kvcache_space_gb << 30}
+            {"kv_cache_memory_bytes": int(cfg.cpu_kvcache_space_gb * (1 << 30))}
             if on_cpu
             else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
         )

@@ -210,7 +210,7 @@ class VLLMEngine(Engine):
         max_num_batched_tokens: int,
         enforce_eager: bool,
         gpu_memory_utilization: float,
-        cpu_kvcache_space_gb: int,
+        cpu_kvcache_space_gb: float,
         min_pixels: int,
         max_pixels: int,
         allowed_tokens: torch.Tensor,
@@ -240,7 +240,7 @@ class VLLMEngine(Engine):
         memory: dict[str, Any] = (
             # On the CPU backend gpu_memory_utilization is a share of host RAM and
             # is checked against free memory at start; a fixed KV size is safer.
-            {"kv_cache_memory_bytes": cpu_kvcache_space_gb << 30}
+            {"kv_cache_memory_bytes": int(cpu_kvcache_space_gb * (1 << 30))}
             if on_cpu
             else {"gpu_memory_utilization": gpu_memory_utilization}
         )
