@@ -85,7 +85,7 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def measure_cpu_peak_flops(
-    threads: int, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.5
+    threads: int, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.1
 ) -> float:
     """FLOP/s of the fastest of repeated square matmuls on ``threads`` threads, in about ``seconds``.
 
