@@ -26,8 +26,10 @@ fi
 prebuild_pid=""
 prebuild_log=$(mktemp -t vlmrl-prebuild.XXXXXX)
 if [ $# -eq 0 ]; then
-    nice -n 10 .venv/bin/python -m vlmrl.testing.assets --build agent text judge distill families qwen3_5 \
-        > "$prebuild_log" 2>&1 &
+    # Passive OpenMP waits: a tuning thread waiting for its sibling sleeps instead of spinning on a core a test
+    # could use (the same threads and the same numbers).
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python -m vlmrl.testing.assets \
+        --build agent text judge distill families qwen3_5 > "$prebuild_log" 2>&1 &
     prebuild_pid=$!
     trap 'kill "$prebuild_pid" 2>/dev/null; exit 130' INT TERM
 fi
