@@ -5,13 +5,13 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from PIL import Image
+from helpers.runs import joined
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, GenerationConfig
 
 from vlmrl.testing.tiny_vlm import QWEN_SPECIAL_TOKENS, build_tiny_vlm
@@ -160,10 +160,12 @@ def test_unknown_family_is_rejected(tmp_path):
 def test_concurrent_asset_builds_share_one_copy(tmp_path):
     # Two processes race on an empty cache: one via --cache-dir, one via the
     # environment variable. Both must get the same complete directory.
+    # Forks of the session's fork server (helpers/runs.py), with torch and transformers imported already.
     cmd = [sys.executable, "-m", "vlmrl.testing.assets"]
-    env = {**os.environ, "VLMRL_CACHE_DIR": str(tmp_path)}
+    with_flag, plain = joined(cmd + ["--cache-dir", str(tmp_path)]), joined(cmd, {"VLMRL_CACHE_DIR": str(tmp_path)})
+    cmd, env = plain
     procs = [
-        subprocess.Popen(cmd + ["--cache-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True),
+        subprocess.Popen(with_flag[0], stdout=subprocess.PIPE, text=True, env=with_flag[1]),
         subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env),
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
