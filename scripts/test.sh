@@ -24,14 +24,15 @@ fi
 # waits on its lock (vlmrl/testing/assets.py), as it would wait for its own build. Only for a whole-suite run: a
 # chosen few tests build what they use.
 prebuild_pid=""
-prebuild_log=$(mktemp -t vlmrl-prebuild.XXXXXX)
+prebuild_log=""
 if [ $# -eq 0 ]; then
+    prebuild_log=$(mktemp -t vlmrl-prebuild.XXXXXX)
     # Passive OpenMP waits: a tuning thread waiting for its sibling sleeps instead of spinning on a core a test
     # could use (the same threads and the same numbers).
     OMP_WAIT_POLICY=PASSIVE nice -n 10 .venv/bin/python -m vlmrl.testing.assets \
         --build agent text judge distill families qwen3_5 > "$prebuild_log" 2>&1 &
     prebuild_pid=$!
-    trap 'kill "$prebuild_pid" 2>/dev/null; exit 130' INT TERM
+    trap 'kill "$prebuild_pid" 2>/dev/null; rm -f "$prebuild_log"; exit 130' INT TERM
 fi
 workers=()
 if [ "${VLMRL_TEST_WORKERS:-0}" != 0 ]; then
@@ -44,7 +45,7 @@ if [ -n "$prebuild_pid" ] && ! wait "$prebuild_pid"; then
     echo "test.sh: building the other tiny assets in the background failed; last lines of its log:" >&2
     tail -n 20 "$prebuild_log" >&2
 fi
-rm -f "$prebuild_log"
+[ -z "$prebuild_log" ] || rm -f "$prebuild_log"
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests; treating that as a failure" >&2
     exit 1

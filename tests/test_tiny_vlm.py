@@ -157,6 +157,17 @@ def test_unknown_family_is_rejected(tmp_path):
         build_tiny_vlm(tmp_path, family="llava")
 
 
+def test_an_unknown_asset_group_is_refused_naming_the_groups_before_anything_is_built(tmp_path, capsys):
+    from vlmrl.testing.assets import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--cache-dir", str(tmp_path), "--build", "agent", "agnet"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--build agnet: unknown group; choose from tiny, quickstart, text, agent" in err, err
+    assert list(tmp_path.iterdir()) == []  # not even the tiny model was built
+
+
 def test_concurrent_asset_builds_share_one_copy(tmp_path):
     # Two processes race on an empty cache: one via --cache-dir, one via the
     # environment variable. Both must get the same complete directory.

@@ -221,12 +221,14 @@ def main(argv: list[str] | None = None) -> None:
         help="also build these ${tiny:...} asset groups, in this order (e.g. agent judge)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    # The resolvers import this module: imported here, when asked for, to keep the import one-way at load time.
-    from vlmrl.testing.resolvers import GROUPS
+    groups = {}
+    if args.build:
+        # The resolvers import this module: imported here, only when asked for, to keep the import one-way.
+        from vlmrl.testing.resolvers import GROUPS as groups
 
-    unknown = [name for name in args.build if name not in GROUPS]
-    if unknown:
-        parser.error(f"--build {' '.join(unknown)}: unknown group; choose from {', '.join(GROUPS)}")
+        unknown = [name for name in args.build if name not in groups]
+        if unknown:  # before anything is built
+            parser.error(f"--build {' '.join(unknown)}: unknown group; choose from {', '.join(groups)}")
     for name, path in vars(ensure_tiny_assets(args.cache_dir)).items():
         print(f"{name}={path}")
     if args.quickstart:
@@ -234,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"quickstart_{name}={path}")
     cache = args.cache_dir if args.cache_dir is not None else default_cache_dir()
     for name in args.build:
-        GROUPS[name].ensure(cache)
-        print(f"built {name}: {GROUPS[name].root(cache)}", flush=True)
+        groups[name].ensure(cache)
+        print(f"built {name}: {groups[name].root(cache)}", flush=True)
 
 
 if __name__ == "__main__":
