@@ -107,11 +107,8 @@ def summarise(metrics: list[dict], samples_per_step: int) -> dict:
 
 
 def _calls_per_rollout(m: dict) -> float:
-    """Tool calls per trajectory (multi-turn), or model calls per finished rollout (agent)."""
-    if "agent/tool_calls/mean" in m:
-        return m["agent/tool_calls/mean"]
-    rollouts = sum(v for k, v in m.items() if k.startswith("agent/rollouts/"))
-    return m.get("agent/calls", 0.0) / max(rollouts, 1.0)
+    """Tool calls per trained trajectory (multi-turn), or model calls per trained rollout (agent: its turns)."""
+    return m.get("agent/tool_calls/mean", m.get("agent/turns/mean", 0.0))
 
 
 def spread(values: list[float]) -> dict:
@@ -139,6 +136,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, help="steps a run (default: 32 for multi_turn, 24 for openai_agent)")
     parser.add_argument("--seeds", default="1,2,3", help="one round per seed (data order and sampling)")
+    parser.add_argument("--keep-metrics", type=Path, help="copy each run's metrics.jsonl under this folder")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine the rounds of these results and stop")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--runs", default=",".join(RUNS), help="a comma-separated subset of the runs, sync first")
@@ -172,6 +170,10 @@ def main(argv=None) -> int:
                         raise SystemExit(f"the {workload} {name} run failed")
                     path = Path(tmp) / "vlmrl" / experiment(name) / "metrics.jsonl"
                     metrics = [json.loads(line) for line in path.read_text().splitlines()]
+                    if args.keep_metrics:  # every logged key of every step, to look into a run afterwards
+                        kept = args.keep_metrics / workload / f"seed{seed}" / f"{experiment(name)}.jsonl"
+                        kept.parent.mkdir(parents=True, exist_ok=True)
+                        kept.write_text(path.read_text())
                 rounds[-1][name] = {"seed": seed, **summarise(metrics, samples_per_step)}
                 print(json.dumps({k: v for k, v in rounds[-1][name].items() if k != "rewards"}), flush=True)
             # Written after every round, so an interrupted invocation keeps its whole rounds.

@@ -50,13 +50,18 @@ def test_merge_appends_rounds_per_workload_and_refuses_runs_of_other_lengths():
 def test_summarise_leaves_out_the_first_steps_time_but_not_its_reward():
     # Step 1 took 30 s (start-up); steps 2-3 took 4 s each: 2 x 128 samples / 8 s = 32 samples/s.
     metrics = [
-        {"step": s, "timing_s/step": t, "timing_s/gen": t / 2, "reward/overall": r, "agent/tool_calls/mean": 1.0}
+        {"step": s, "timing_s/step": t, "timing_s/gen": t / 2, "reward/overall": r, "agent/tool_calls/mean": 1.0, "agent/turns/mean": 2.0}
         for s, t, r in ((1, 30.0, 0.1), (2, 4.0, 0.2), (3, 4.0, 0.6))
     ]
     run = summarise(metrics, 128)
     assert run["samples_per_s"] == pytest.approx(32.0)
     assert run["rewards"] == [0.1, 0.2, 0.6] and run["windows"] == [pytest.approx(0.3)]
     assert run["timing_s"] == {"gen": pytest.approx(2.0), "step": pytest.approx(4.0)}
+    # Multi-turn: a trajectory's tool calls (1), not its turns (2, the call's and the answer's).
+    assert run["calls_per_rollout"] == 1.0
+    # An external agent: its calls are its turns (3), whatever a step's other rollouts did.
+    agent = [{k: v for k, v in m.items() if k != "agent/tool_calls/mean"} | {"agent/turns/mean": 3.0} for m in metrics]
+    assert summarise(agent, 128)["calls_per_rollout"] == 3.0
 
 
 def test_waits_are_long_tailed_within_their_bounds_and_agents_make_two_to_four_calls():
