@@ -1,6 +1,6 @@
 """Asynchronous training against synchronous, for multi-turn tool rollouts and an external agent, on tasks that learn.
 
-    python -m benchmarks.async_agents                   # both workloads, 3 rounds (about 100 minutes)
+    python -m benchmarks.async_agents                   # both workloads, seeds 1-3 (about 95 minutes)
     python -m benchmarks.async_agents --workloads openai_agent --seeds 1 --steps 4   # a quick look
     python -m benchmarks.async_agents --merge a/async_agents.json b/async_agents.json   # rounds of two invocations
 
@@ -22,9 +22,9 @@ Each workload trains, one run after another in this machine (16 prompts x 8 roll
 
 A round runs each of them once, with one seed (``data.seed`` and ``worker.rollout.seed``: the prompts' order
 and the sampling); rounds repeat the whole list with the next seed, so the reward's spread over rounds is
-run-to-run noise (with one seed, the synchronous runs repeat exactly). Reported per kind: the median over rounds (and the spread) of trained samples per second over the
-steps after the first, and the training reward (temperature 1) averaged over windows of steps, so the curves
-can be compared step for step. Results go to ``<out>/async_agents.json`` and ``.md``.
+run-to-run noise (with one seed, the synchronous runs repeat exactly). Reported per kind: the median over
+rounds (and the spread) of trained samples per second over the steps after the first, and the training reward
+(temperature 1) averaged over windows of steps, so the curves can be compared step for step. Results go to ``<out>/async_agents.json`` and ``.md``.
 """
 
 from __future__ import annotations
