@@ -71,6 +71,8 @@ training reward goes 0.17 -> 0.70 by step 32, the demo's validation 0.26 -> 0.73
 GOALS = {"multi_turn": 1.8, "openai_agent": 1.5}
 """Samples/s of async eta=1 (the better placement) over sync."""
 WINDOW = 8
+PROMPTS, N = 16, 8
+"""Both workloads' configs: data.rollout_batch_size and worker.rollout.n."""
 
 
 def command(out: Path, workload: str, name: str, steps: int, seed: int) -> list[str]:
@@ -153,8 +155,8 @@ def main(argv=None) -> int:
     if problems:
         parser.error("; ".join(problems))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    result: dict = {"shape": {"prompts": 16, "n": 8}, "workloads": {}}
-    samples_per_step = 16 * 8
+    result: dict = {"shape": {"prompts": PROMPTS, "n": N}, "workloads": {}}
+    samples_per_step = PROMPTS * N
     for workload in workloads:
         steps = args.steps or STEPS[workload]
         rounds = []
