@@ -27,6 +27,21 @@ def test_the_registry_lists_every_family_by_its_model_type():
         assert adapter.model_type == model_type and family(model_type) is adapter
 
 
+def test_the_engine_gets_the_familys_config_with_the_users_override_on_top():
+    # GLM-4.1V tells vLLM to build its attention biases (vlmrl/models/glm4v.py); a user's override_config adds to
+    # a nested config key by key, and wins where both set the same key.
+    glm = family("glm4v")
+    assert glm.engine_overrides(None) == {"text_config": {"attention_bias": True}}
+    user = {"text_config": {"rope_theta": 5.0}, "max_position_embeddings": 64}
+    assert glm.engine_overrides(user) == {
+        "text_config": {"attention_bias": True, "rope_theta": 5.0}, "max_position_embeddings": 64,
+    }  # fmt: skip
+    off = {"text_config": {"attention_bias": False}}
+    assert glm.engine_overrides(off) == off
+    assert glm.engine_config == {"text_config": {"attention_bias": True}}  # the family's own is left as it was
+    assert family("qwen2_5_vl").engine_overrides(user) == user
+
+
 def test_an_unknown_model_type_is_refused_naming_it_and_the_families():
     with pytest.raises(UnsupportedFamily) as info:
         family("gemma3")

@@ -64,7 +64,8 @@ def family_engine(model_dir, allowed, *, dtype: str, min_pixels: int, max_pixels
         str(model_dir), dtype=dtype, seed=0, max_model_len=512, max_num_batched_tokens=512, enforce_eager=True,
         gpu_memory_utilization=0.5, cpu_kvcache_space_gb=1, min_pixels=min_pixels, max_pixels=max_pixels,
         allowed_tokens=allowed,
-        **({"engine_weight": family.engine_weight, "recurrent_layers": family.recurrent_layers} if family else {}),
+        **({"engine_weight": family.engine_weight, "recurrent_layers": family.recurrent_layers,
+            "hf_overrides": family.engine_overrides(None)} if family else {}),
     )  # fmt: skip
     yield engine
     del engine

@@ -11,7 +11,7 @@ from the model's config (``vlmrl.models.family_of``) and then ask it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,6 +91,10 @@ class Family:
     engine_weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     """(HF name, the actor's tensor) -> the tensor in the layout vLLM loads, applied to every weight the sync hands
     the engine, where the two layouts differ (Qwen3-VL-MoE's fused experts); None: they are the same."""
+    engine_config: Mapping[str, Any] | None = None
+    """Config values vLLM's model of the family needs and a checkpoint may leave to transformers' code, given to
+    vLLM as ``hf_overrides`` (``worker.actor.model.override_config`` goes on top): without them vLLM builds a
+    model that differs from the actor's (GLM-4.1V: no q/k/v biases). None: nothing."""
     prepare: Callable[[torch.nn.Module], None] | None = None
     """Applied to every model of the family the trainer loads (``vlmrl.train.models.load_pretrained``), before it is
     wrapped: what transformers' code of the family needs for vlmrl's passes (Qwen3.5: packed sequences kept apart
@@ -132,3 +136,20 @@ class Family:
         if self.media_sizes is None:
             raise ValueError(f"{self.name} ({self.model_type}) is a text family: its models take no images")
         return self.media_sizes(processor.image_processor, min_pixels, max_pixels)
+
+    def engine_overrides(self, user: Mapping[str, Any] | None) -> dict[str, Any]:
+        """vLLM's ``hf_overrides``: the family's ``engine_config`` with ``user`` (the run's ``override_config``)
+        merged on top, a nested config's keys one by one.
+
+        >>> GLM = Family("GLM", "glm", (), text_positions, engine_config={"text_config": {"attention_bias": True}})
+        >>> GLM.engine_overrides({"text_config": {"rope_theta": 5.0}, "max_position_embeddings": 64})
+        {'text_config': {'attention_bias': True, 'rope_theta': 5.0}, 'max_position_embeddings': 64}
+        """
+        family = self.engine_config or {}
+        merged: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in family.items()}
+        for key, value in (user or {}).items():
+            if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+                merged[key].update(value)
+            else:
+                merged[key] = value
+        return merged

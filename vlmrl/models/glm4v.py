@@ -96,6 +96,10 @@ GLM4V = Family(
     lora_exclude=LORA_EXCLUDE,
     media_sizes=GlmMediaSizes.of,
     stop_opens_turn=True,
+    # transformers' GLM-4.1V text attention always has q, k and v biases; vLLM's builds them only when the config
+    # says attention_bias, which a checkpoint may leave out. Without them vLLM drops the biases as it loads and
+    # the engine drifts from the actor as soon as training moves them.
+    engine_config={"text_config": {"attention_bias": True}},
     no_agent_endpoint=(
         "the agent endpoint's merging of an agent's calls into training rows is not checked yet for GLM-4.1V's "
         "turns, which have no end-of-turn token (a reply stops at the next turn's <|user|>)"

@@ -57,7 +57,7 @@ class RolloutWorker:
             tensor_parallel_size=tp,
             tokenizer_path=config.worker.actor.model.tokenizer_path,
             limit_images=rollout_cfg.limit_images,
-            hf_overrides=config.worker.actor.model.override_config,
+            hf_overrides=family.engine_overrides(config.worker.actor.model.override_config),
             engine_weight=family.engine_weight,
             recurrent_layers=family.recurrent_layers,
             own_processes=server,

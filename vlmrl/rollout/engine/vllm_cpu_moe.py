@@ -34,7 +34,7 @@ def _cpu_expert_layers(worker):
 
 
 def cpu_expert_layers(worker) -> int:
-    """How many layers ``repack_experts`` would repack (``worker``: the vLLM worker, as ``collective_rpc`` passes it)."""
+    """How many layers ``repack_experts`` would repack (``worker``: the vLLM worker, passed by ``collective_rpc``)."""
     return sum(1 for _ in _cpu_expert_layers(worker))
 
 
