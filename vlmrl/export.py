@@ -25,7 +25,8 @@ from transformers import AutoConfig, GenerationConfig
 
 from vlmrl.config import LoraConfig
 from vlmrl.plan import kind_of
-from vlmrl.train.checkpoint import load_lora_config
+from vlmrl.models import family_of
+from vlmrl.train.checkpoint import load_lora_config, write_checkpoint_layout
 from vlmrl.train.lora import merged_weights, scaling
 from vlmrl.train.models import auto_class, load_processor
 from vlmrl.train.safe_checkpoint import UnsafeCheckpoint, check_private, read_metadata_safely
@@ -74,6 +75,7 @@ def export(actor_dir: str | Path, output: str | Path) -> Path:
         model.tie_weights()
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
+    write_checkpoint_layout(output, family_of(model.config).engine_weight)  # so that vLLM loads it too
     if (hf_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(hf_dir).save_pretrained(output)
     load_processor(str(hf_dir)).save_pretrained(output)  # a text model's tokenizer alone

@@ -4,7 +4,8 @@ torch.distributed.checkpoint (DCP), and each rank's RNG states.
 Layout under ``<checkpoint>/actor/``: the DCP files (``.metadata``,
 ``*.distcp``), ``rng_rank<r>.pt``, and ``huggingface/`` with the model's
 config, generation config and processor (weights only when HF weights are
-asked for), which is what ``vlmrl.export`` needs to rebuild a HF directory.
+asked for, in the family's checkpoint layout: ``write_checkpoint_layout``), which is what ``vlmrl.export`` needs
+to rebuild a HF directory.
 A LoRA actor's (or critic's, under ``critic/``) DCP files hold its base
 weights and adapters under the injected names (``<m>.base_layer.weight``,
 ``<m>.lora_A.default.weight``), and ``lora.json`` holds the LoRA settings
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,6 +75,30 @@ def load_actor(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def write_checkpoint_layout(hf_dir: Path, to_checkpoint: Callable[[str, torch.Tensor], torch.Tensor] | None) -> int:
+    """Rewrite the weights ``save_pretrained`` wrote to ``hf_dir`` in the family's checkpoint layout; the number of
+    tensors changed.
+
+    ``to_checkpoint`` is the family's ``engine_weight``: vLLM's layout, which is the family's own checkpoints' too
+    (Qwen3-VL-MoE's fused experts, transposed from transformers'). transformers 5.19 writes its own layout, which
+    vLLM 0.32 refuses, and reads both (it transposes a tensor whose shape is not its parameter's). None: nothing
+    to do. The names are unchanged, so a sharded directory's index still holds.
+    """
+    if to_checkpoint is None:
+        return 0
+    from safetensors.torch import load_file, save_file
+
+    changed = 0
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        tensors = load_file(file)
+        mapped = {name: to_checkpoint(name, tensor) for name, tensor in tensors.items()}
+        moved = [name for name in tensors if mapped[name] is not tensors[name]]
+        if moved:
+            save_file({name: t.contiguous() for name, t in mapped.items()}, file, metadata={"format": "pt"})
+            changed += len(moved)
+    return changed
 
 
 def save_lora_config(path: Path, lora: LoraConfig) -> None:

@@ -360,6 +360,7 @@ class TrainerWorker:
             hf_dir = actor_dir / "huggingface"
             if full is not None:
                 self.actor.save_pretrained(hf_dir, state_dict=full)
+                ckpt.write_checkpoint_layout(hf_dir, self.family.engine_weight)  # so that vLLM loads it too
             else:
                 self.actor.config.save_pretrained(hf_dir)
                 if self.actor.generation_config is not None:
