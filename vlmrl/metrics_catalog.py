@@ -57,6 +57,10 @@ _ACTOR = (
            "the update moved the policy from the one that made the batch; 0 on the first on-policy mini-batch."),
     Metric("actor/kl_loss", "The KL-to-reference loss term before it is weighted by algorithm.kl_coef "
            "(algorithm.kl_penalty estimator, in nats per token).", "algorithm.use_kl_loss=true"),
+    Metric("actor/router_aux_loss", "The router's load-balancing loss of the update's forward, before it is "
+           "weighted by worker.actor.router_aux_loss_coef: the number of experts x the sum over experts of the share "
+           "of routed tokens x the mean router probability (top_k when perfectly balanced).",
+           "worker.actor.router_aux_loss_coef > 0"),
     Metric("actor/reference_kl", "Mean per-token KL (k3 estimate) of the policy that made the batch from the "
            "reference model, in nats; it grows as training moves away from the start.", "with a reference model"),
     Metric("actor/reward_kl_penalty", "Mean per-token KL to the reference that was subtracted from the "

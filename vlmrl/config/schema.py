@@ -411,6 +411,11 @@ class ActorConfig:
     """SAPO: gate temperature for tokens with a negative advantage."""
     entropy_coeff: float = 0.0
     """vlmrl addition: weight of an entropy bonus in the actor loss; 0 for none."""
+    router_aux_loss_coef: float = 0.0
+    """vlmrl addition (mixture-of-experts families): weight of the router's load-balancing loss (Switch
+    Transformer's, as transformers computes it: the number of experts x the sum over experts of the share of
+    routed tokens x the mean router probability, over the MoE layers; top_k when balanced) added to the actor
+    loss; 0 for none. Not with share_prompts."""
     use_decoupled_loss: bool | None = None
     """vlmrl addition (AReaL's decoupled PPO): clip the ratio against the old (proximal) log-probs and weight each
     token by old / behaviour, the behaviour being vLLM's log-probs of the sampled token, which corrects for the

@@ -102,6 +102,10 @@ class Family:
     cpu_engine_bfloat16: str | None = None
     """Why vLLM on CPU runs the family in bfloat16 only (validation then refuses any other worker.rollout.dtype on
     a CPU run, with this reason); None: any dtype."""
+    routed_experts: bool = False
+    """The decoder's MLPs are sparse: a router sends each token to some of its experts, and transformers' model
+    computes the router's load-balancing loss when asked (``output_router_logits``), which
+    ``worker.actor.router_aux_loss_coef`` adds to the actor's loss."""
     recurrent_layers: bool = False
     """Some decoder layers carry a recurrent state along the sequence instead of keys and values (Qwen3.5's linear
     attention): vLLM caches the prefixes of such a model only with chunked prefill, which CPU engines run without

@@ -25,4 +25,6 @@ def prepare_qwen3_5_moe(model: torch.nn.Module) -> None:
     keep_packed_sequences_apart(model, Qwen3_5MoeTextModel, Qwen3_5MoeGatedDeltaNet)
 
 
-QWEN3_5_MOE = dataclasses.replace(QWEN3_5, name="Qwen3.5-MoE", model_type="qwen3_5_moe", prepare=prepare_qwen3_5_moe)
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5, name="Qwen3.5-MoE", model_type="qwen3_5_moe", prepare=prepare_qwen3_5_moe, routed_experts=True
+)

@@ -27,5 +27,5 @@ def engine_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 QWEN3_VL_MOE = dataclasses.replace(
-    QWEN3_VL, name="Qwen3-VL-MoE", model_type="qwen3_vl_moe", engine_weight=engine_weight
+    QWEN3_VL, name="Qwen3-VL-MoE", model_type="qwen3_vl_moe", engine_weight=engine_weight, routed_experts=True
 )

@@ -53,6 +53,7 @@ def forward_response(
     share_prompts: bool = False,
     tokens: TokenCount | None = None,
     sequence: ulysses.SequenceGroup | None = None,
+    router_losses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs and entropy of the response tokens under ``model``.
 
@@ -71,10 +72,14 @@ def forward_response(
     real and computed token positions. ``sequence`` (padding-free only): the
     Ulysses sequence-parallel group this rank runs the packed row with
     (``vlmrl.train.ulysses``, the model ``ulysses.install``-ed); the values
-    come back whole on every rank of the group.
+    come back whole on every rank of the group. ``router_losses``, if given (a mixture-of-experts model): the pass
+    asks the model for its router's load-balancing loss over the real tokens, and appends it, with its gradient.
     """
     if sequence is not None and not padding_free:
         raise ValueError("Ulysses sequence parallelism splits packed rows: the pass must be padding-free")
+    if router_losses is not None and share_prompts:
+        raise ValueError("the router's load-balancing loss is not collected by the shared-prompt forward")
+    router = {} if router_losses is None else {"output_router_logits": True}
     device = _device(model)
     inputs, layout = packing.model_inputs(batch, padding_free, device, packing.is_text_only(model))
     shared = None
@@ -95,14 +100,14 @@ def forward_response(
         inputs, shard = ulysses.split(inputs, layout.logit_index, sequence)
         keep = shard.keep
         with ulysses.sharded(model, shard):  # lm_head runs on this rank's share of the response logits
-            out = model(**inputs, use_cache=False, logits_to_keep=shard.local_logit_index.to(device), **mm)
+            out = model(**inputs, use_cache=False, logits_to_keep=shard.local_logit_index.to(device), **mm, **router)
         temperatures = batch.temperatures[layout.rows[keep]][:, None]  # (K_r, 1)
         logits = out.logits[0].float()  # (K_r, V)
         targets = layout.targets[keep].to(device)  # (K_r,)
     elif padding_free:
         mm = {key: value.to(device) for key, value in merged_mm_inputs(batch).items()}
         # lm_head runs only where a logit predicts a response token.
-        out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm)
+        out = model(**inputs, use_cache=False, logits_to_keep=layout.logit_index.to(device), **mm, **router)
         temperatures = batch.temperatures[layout.rows][:, None]  # (K, 1)
         logits = out.logits[0].float()  # (K, V)
         targets = layout.targets.to(device)  # (K,)
@@ -111,10 +116,12 @@ def forward_response(
         # Logits at positions P-1 .. P+r-2 predict the r kept response tokens. (Asking for exactly those r
         # positions would spare the backward a zeroed (b, r+1, V) gradient, but the lm_head's weight gradient
         # then sums its rows in another order: last-bit differences that change a seeded run's samples.)
-        out = model(**inputs, use_cache=False, logits_to_keep=layout.responses.shape[1] + 1, **mm)
+        out = model(**inputs, use_cache=False, logits_to_keep=layout.responses.shape[1] + 1, **mm, **router)
         temperatures = batch.temperatures[:, None, None]  # (b, 1, 1)
         logits = out.logits[:, :-1, :].float()  # (b, r, V)
         targets = layout.responses.to(device)  # (b, r)
+    if router_losses is not None:
+        router_losses.append(out.aux_loss)
     # Dividing by 1 changes no logit and would cost a (tokens, vocab) copy, and its backward another.
     if bool((temperatures != 1.0).any()):
         logits = logits / temperatures.to(device)
@@ -193,6 +200,8 @@ class UpdateSettings:
     use_kl_loss: bool
     kl_estimator: KLEstimator
     kl_coef: float
+    router_aux_loss_coef: float = 0.0
+    """Weight of the router's load-balancing loss (mixture-of-experts models); 0 for none."""
     max_token_len: int | None = None
     """Dynamic batching: token budget of an update micro-batch; None: micro_batch_size samples."""
     padding_free: bool = False
@@ -254,6 +263,7 @@ class UpdateSettings:
             ),
             max_grad_norm=actor.max_grad_norm,
             entropy_coeff=actor.entropy_coeff,
+            router_aux_loss_coef=actor.router_aux_loss_coef,
             use_kl_loss=plan.kl_in_loss,
             kl_estimator=algo.kl_penalty,
             kl_coef=algo.kl_coef,
@@ -314,7 +324,9 @@ def update_policy(
 
     The loss is the registered ``settings.loss_type`` policy loss, plus
     ``kl_coef`` x the KL to the reference (``use_kl_loss``), minus
-    ``entropy_coeff`` x the entropy, each aggregated with ``loss_avg_mode``.
+    ``entropy_coeff`` x the entropy, each aggregated with ``loss_avg_mode``,
+    plus ``router_aux_loss_coef`` x the router's load-balancing loss of the
+    micro-batch's forward (a mixture-of-experts model).
 
     ``old_from_forward`` (the driver's decision for this step): the batch gets
     exactly one update (one epoch, one mini-batch) by the policy that sampled
@@ -380,6 +392,7 @@ def update_policy(
     seen = 0
 
     def micro_loss(mb: Batch, rows: list[int], sums: dict[str, list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        router_losses = [] if settings.router_aux_loss_coef else None
         log_probs, entropy = forward_response(
             model,
             mb,
@@ -389,6 +402,7 @@ def update_policy(
             share_prompts=settings.share_prompts,
             tokens=tokens,
             sequence=sequence,
+            router_losses=router_losses,
         )
         nonlocal seen
         device = log_probs.device
@@ -431,6 +445,11 @@ def update_policy(
             kl_loss = algos.aggregate_loss(kl, loss_mask, mode, norm_len, row_weights)
             loss = loss + settings.kl_coef * kl_loss
             sums["actor/kl_loss"].append(kl_loss.item())
+        if router_losses:
+            # Scaled with the micro-batch's share like the other terms (run_epochs), so the step's gradient is
+            # that of the micro-batches' loss averaged by their share of the mini-batch.
+            loss = loss + settings.router_aux_loss_coef * router_losses[0]
+            sums["actor/router_aux_loss"].append(router_losses[0].item())
         for key, value in pg_metrics.items():
             sums[f"actor/{key}"].append(float(value))
         sums["actor/entropy"].append(algos.masked_mean(entropy.detach(), mask).item())

@@ -16,8 +16,8 @@ from vlmrl.plan import Cluster, device, uses_critic
 def family_problems(config: Config, cluster: Cluster) -> list[str]:
     """One problem per local model (the actor's, and the critic's when it has its own) whose ``model_type`` no
     family adapter covers, naming the key, the model_type and the supported families; and one per setting the
-    actor's family refuses (``Family.no_agent_endpoint``, ``cpu_engine_bfloat16``, ``recurrent_layers``), naming
-    the family's reason and the fix."""
+    actor's family refuses (``Family.no_agent_endpoint``, ``cpu_engine_bfloat16``, ``recurrent_layers``,
+    ``routed_experts``), naming the family's reason and the fix."""
     models = [("worker.actor.model.model_path", config.worker.actor.model.model_path)]
     if uses_critic(config) and config.worker.critic.model.model_path:
         models.append(("worker.critic.model.model_path", config.worker.critic.model.model_path))
@@ -55,6 +55,18 @@ def _actor_family_problems(config: Config, cluster: Cluster, path: str, found: F
         problems.append(
             f"worker.rollout.dtype={dtype} with worker.actor.model.model_path={path} ({found.name}) on CPU: "
             f"{found.cpu_engine_bfloat16}; use worker.rollout.dtype=bfloat16"
+        )
+    coef = config.worker.actor.router_aux_loss_coef
+    if coef > 0 and not found.routed_experts:
+        problems.append(
+            f"worker.actor.router_aux_loss_coef={coef} with worker.actor.model.model_path={path} ({found.name}): the "
+            "model has no router to balance (a mixture-of-experts family has: Qwen3-VL-MoE, Qwen3.5-MoE); use "
+            "worker.actor.router_aux_loss_coef=0"
+        )
+    if coef > 0 and config.worker.actor.share_prompts:
+        problems.append(
+            f"worker.actor.router_aux_loss_coef={coef} with worker.actor.share_prompts=true: the shared-prompt "
+            "forward does not collect the router's logits; use worker.actor.share_prompts=false"
         )
     if found.recurrent_layers and config.worker.actor.share_prompts:
         problems.append(

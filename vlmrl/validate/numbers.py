@@ -97,6 +97,8 @@ def range_problems(config: Config) -> list[str]:
     ):
         if not value > 0:
             problems.append(f"{key}={value}: must be positive")
+    if not actor.router_aux_loss_coef >= 0:
+        problems.append(f"worker.actor.router_aux_loss_coef={actor.router_aux_loss_coef}: must be 0 (off) or more")
     problems.extend(optim_problems("worker.actor", actor.optim))
     if uses_critic(config):
         # The critic trains too: the same bounds (its skipped steps fail the run like the actor's).
