@@ -161,6 +161,41 @@ def test_the_experts_and_the_router_get_gradients_and_the_load_balancing_loss_is
     assert last.experts.gate_up_proj.grad is None or not last.experts.gate_up_proj.grad.any()
 
 
+def test_lora_adapts_the_attention_and_leaves_the_router_the_experts_and_the_tower_alone(
+    model_dir, samples, processor, allowed
+):
+    # transformers holds the router and the fused experts as plain parameters, not nn.Linear: peft finds no
+    # module to adapt there, and the family's exclusion keeps the tower out.
+    from vlmrl.config import LoraConfig
+    from vlmrl.train import lora
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    lora.add_lora(model, LoraConfig(rank=4, alpha=8))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert not any("visual" in n or ".mlp.gate" in n or ".experts" in n for n in trained), trained
+    assert any("self_attn.q_proj" in n for n in trained)
+    responses = [Response(s, i, [7, 11, 13][: i + 1]) for i, s in enumerate(samples)]
+    pad = processor.tokenizer.pad_token_id
+    batch = batch_of(responses, max_prompt_length=256, max_response_length=3, pad_token_id=pad)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(2):  # B starts at zero: the first step moves B, the second A too
+        log_probs, _ = forward_response(model, batch, allowed, with_entropy=False, padding_free=True)
+        loss = -(log_probs * batch.response_mask).sum() / batch.response_mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+    with torch.no_grad():
+        after, _ = forward_response(model.eval(), batch, allowed, with_entropy=False, padding_free=True)
+    real = batch.response_mask.bool()
+    assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
+
+
 @pytest.mark.parametrize("coef", [0.0, 0.01])
 def test_the_update_adds_the_balancing_loss_at_its_weight(model_dir, samples, processor, allowed, coef):
     # Advantages of 0 and no other term: the policy loss has no gradient, so the router moves only if the update
