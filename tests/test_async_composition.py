@@ -2,6 +2,8 @@
 
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
+* Multi-turn rollouts on a rollout server with two training workers, external agents and workflow classes
+  (one of them on two training workers) colocated, and a slow agent on a rollout server, each at eta = 1.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
@@ -95,17 +97,18 @@ def test_async_remax_has_its_greedy_baseline_each_step(dapo_remax):
 
 @pytest.fixture(scope="module")
 def multi_turn_served(tmp_path_factory):
-    """The agent quickstart (reveal tool, two turns) at eta = 1 on one rollout server, a small batch."""
+    """The agent quickstart (reveal tool, two turns) at eta = 1 on one rollout server and two training workers, a
+    small batch."""
     tmp = tmp_path_factory.mktemp("async_multi_turn_server")
     proc = run_main(
-        tmp / "out", AGENT, ASYNC, *PLACEMENTS["disaggregated"], f"trainer.max_steps={STEPS}",
-        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
-        "worker.actor.micro_batch_size_per_device_for_update=16", "worker.rollout.calculate_log_probs=true",
+        tmp / "out", AGENT, ASYNC, *PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2",
+        f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
+        "worker.actor.micro_batch_size_per_device_for_update=8", "worker.rollout.calculate_log_probs=true",
         "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
         experiment="multi_turn_served", timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
-    assert "rollout servers: 1" in proc.stdout, tail(proc)
+    assert "rollout servers: 1" in proc.stdout and "workers: 2 on cpu" in proc.stdout, tail(proc)
     return [m for m in read_metrics(tmp / "out", "multi_turn_served") if "actor/pg_loss" in m]
 
 
@@ -125,15 +128,16 @@ def test_multi_turn_rollouts_run_on_a_rollout_server_within_the_bound(multi_turn
 
 VARYING = {
     "openai_agent": ["config=examples/openai_agent/config.yaml"],
-    "workflow_class": ["config=examples/workflow.yaml"],
+    "workflow_class": ["config=examples/workflow.yaml", "trainer.n_gpus_per_node=2"],  # two training workers
     "workflow_class_on_a_server": ["config=examples/workflow.yaml", *PLACEMENTS["disaggregated"]],
 }
 
 
 @pytest.fixture(scope="module", params=sorted(VARYING))
 def varying_rows(request, tmp_path_factory):
-    """An external agent (the OpenAI-SDK demo, two calls a rollout) and a workflow class (zoom and answer), each at
-    eta = 1 colocated, and the workflow class on one rollout server, for 3 steps of 4 prompts x 4 rollouts."""
+    """An external agent (the OpenAI-SDK demo, two calls a rollout) and a workflow class (zoom and answer, on two
+    training workers), each at eta = 1 colocated, and the workflow class on one rollout server, for 3 steps of 4
+    prompts x 4 rollouts."""
     tmp = tmp_path_factory.mktemp(f"async_{request.param}")
     proc = run_main(
         tmp / "out", *VARYING[request.param], ASYNC, f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4",
@@ -142,6 +146,8 @@ def varying_rows(request, tmp_path_factory):
         experiment=request.param, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
+    workers = 2 if "trainer.n_gpus_per_node=2" in VARYING[request.param] else 1
+    assert f"workers: {workers} on cpu" in proc.stdout, tail(proc)
     return [m for m in read_metrics(tmp / "out", request.param) if "actor/pg_loss" in m]
 
 
