@@ -113,7 +113,7 @@ def test_the_actors_log_probs_equal_the_engines_at_start(rollout, samples, proce
     torch.testing.assert_close(log_probs, sampled.rollout_log_probs, atol=1e-3, rtol=0)
 
 
-def test_the_experts_and_the_router_get_gradients_and_the_load_balancing_loss_is_over_real_tokens(
+def test_packed_equals_padded_the_experts_and_router_get_gradients_and_the_balancing_loss_is_exact(
     model_dir, samples, processor, allowed
 ):
     actor = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_the_experts_and_the_router_get_gradients_and_the_load_balancing_loss_is
     mask = batch.response_mask.bool()
     padded_aux, packed_aux = [], []
     with torch.no_grad():
-        forward_response(actor, batch, allowed, with_entropy=False, router_losses=padded_aux)
+        padded, _ = forward_response(actor, batch, allowed, with_entropy=False, router_losses=padded_aux)
     packed, _ = forward_response(
         actor, batch, allowed, padding_free=True, with_entropy=False, router_losses=packed_aux
     )  # fmt: skip
@@ -146,7 +146,9 @@ def test_the_experts_and_the_router_get_gradients_and_the_load_balancing_loss_is
         P += p.mean(0)
     by_hand = 4 * (f / len(logits) * P / len(logits)).sum()
     torch.testing.assert_close(packed_aux[0].detach(), by_hand, atol=1e-5, rtol=0)
-    # The padded pass counts its real tokens only: the same loss.
+    # Routing is per token, so packing changes no token's experts: the same log-probs (float32 noise apart), and
+    # the padded pass counts its real tokens only: the same loss.
+    torch.testing.assert_close(packed[mask].detach(), padded[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(padded_aux[0], packed_aux[0].detach(), atol=1e-5, rtol=0)
     # The policy's log-probs reach every expert (each served some of the ~250 tokens, 2 of 4 per token).
     packed[mask].sum().backward(retain_graph=True)
