@@ -86,7 +86,9 @@ def tiny(tiny_assets):
     return AutoProcessor.from_pretrained(tiny_assets.model_dir), AutoConfig.from_pretrained(tiny_assets.model_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v"])
+@pytest.fixture(
+    scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"]
+)
 def family(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     build = build_tiny_qwen3_5_family if request.param in QWEN3_5_BUILDERS else build_tiny_vlm
