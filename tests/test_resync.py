@@ -132,7 +132,7 @@ def _rollout(sleeps: bool) -> VLLMEngine:
     # The engine's memory handling only, without building an engine.
     rollout = object.__new__(VLLMEngine)
     rollout.llm, rollout.sleeps, rollout.freed, rollout.version = _FakeLLM(), sleeps, set(), 0
-    rollout.engine_weight, rollout.remote_shards = None, False
+    rollout.engine_weight, rollout.remote_shards, rollout.cpu_moe_layers = None, False, 0
     return rollout
 
 
