@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 import pytest
-from helpers.tiny_families import family_engine
+from helpers.tiny_families import family_cli_steps, family_engine
 import torch
 from PIL import Image
 from helpers.media import png, write_parquet, write_video
@@ -136,8 +136,7 @@ def test_the_processor_leaves_the_familys_images_as_they_are(processor, width, h
     assert grid == [1, image.height // 14, image.width // 14]
 
 
-@pytest.fixture(scope="module")
-def sampled(rollout, samples, processor):
+def sample(rollout, samples, processor):
     """Two samples per row from the engine, with their log-probs, as the padded batch the actor scores."""
     sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True, ignore_eos=True)
     outputs = rollout.generate(seeded_requests(samples, [0, 1, 2], sampling, rollout.seed))
@@ -149,6 +148,11 @@ def sampled(rollout, samples, processor):
     return batch_of(
         generations, max_prompt_length=256, max_response_length=RESPONSE, pad_token_id=processor.tokenizer.pad_token_id
     )
+
+
+@pytest.fixture(scope="module")
+def sampled(rollout, samples, processor):
+    return sample(rollout, samples, processor)
 
 
 def test_the_actors_log_probs_equal_the_engines_on_image_prompts(sampled, hf_model, allowed):
@@ -174,15 +178,7 @@ def test_the_engine_holds_the_attention_biases_and_a_resync_moves_them(rollout, 
                 p.add_(torch.randn(p.shape, generator=generator) * 0.5)
     rollout.load_weights(changed.state_dict().items(), version=1)
     try:
-        sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE, want_log_probs=True, ignore_eos=True)
-        outputs = rollout.generate(seeded_requests(samples, [0, 1, 2], sampling, rollout.seed))
-        generations = [
-            Response(prompt, group_id, s.token_ids, s.text, s.log_probs)
-            for prompt, group_id, output in zip(samples, [0, 1, 2], outputs)
-            for s in output.samples
-        ]
-        batch = batch_of(generations, max_prompt_length=256, max_response_length=RESPONSE,
-                         pad_token_id=processor.tokenizer.pad_token_id)  # fmt: skip
+        batch = sample(rollout, samples, processor)
         with torch.no_grad():
             log_probs, _ = forward_response(changed, batch, allowed)
         # Measured without the biases in the engine: 1.7 apart (largest); with them, float noise.
@@ -342,22 +338,8 @@ def test_glm_passes_validation_for_multi_turn_and_workflows_and_is_refused_the_a
 
 @pytest.fixture(scope="module")
 def cli_steps(tmp_path_factory):
-    """Two steps of the quickstart on ${tiny:glm4v_model_dir} through ``python -m vlmrl.main``: each step's metrics.
-
-    The random model earns no reward (every advantage is 0), so an entropy bonus is what moves the weights; the
-    engine's log-probs are on, so each step logs the rollout-vs-actor gap on the sampled tokens.
-    """
-    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
-
-    out = tmp_path_factory.mktemp("glm4v_cli") / "out"
-    overrides = [
-        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:glm4v_model_dir}",
-        "worker.actor.entropy_coeff=0.5", "worker.actor.optim.lr=1e-3", "data.val_files=",
-        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
-    ]  # fmt: skip
-    proc = run_main(out, *overrides, experiment="glm4v", timeout=900)
-    assert proc.returncode == 0, tail(proc)
-    return [m for m in read_metrics(out, "glm4v") if "actor/pg_loss" in m]
+    """Two steps of the quickstart on ${tiny:glm4v_model_dir} through the CLI: each step's metrics."""
+    return family_cli_steps(tmp_path_factory, "glm4v")[0]
 
 
 @pytest.mark.e2e

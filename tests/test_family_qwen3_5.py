@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 import pytest
-from helpers.tiny_families import family_engine
+from helpers.tiny_families import family_cli_steps, family_engine
 import torch
 from helpers.configs import CPU, QUICKSTART, problems_of
 from helpers.media import png, write_parquet
@@ -275,21 +275,10 @@ def test_after_a_resync_of_changed_weights_the_engine_samples_with_them(
 
 @pytest.fixture(scope="module")
 def cli_steps(tmp_path_factory):
-    """Two steps of the quickstart on ${tiny:qwen3_5_model_dir} through ``python -m vlmrl.main`` (a bfloat16
-    engine, as on every CPU run of the family; padding-free passes): each step's metrics. The random model earns no
-    reward, so an entropy bonus is what moves the weights."""
-    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
-
-    out = tmp_path_factory.mktemp("qwen3_5_cli") / "out"
-    overrides = [
-        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:qwen3_5_model_dir}",
-        "worker.rollout.dtype=bfloat16", "worker.actor.padding_free=true", "worker.actor.entropy_coeff=0.5",
-        "worker.actor.optim.lr=1e-3", "data.val_files=", "trainer.val_before_train=false", "trainer.save_freq=-1",
-        "trainer.save_hf_weights=false", "trainer.logger=[file]",
-    ]  # fmt: skip
-    proc = run_main(out, *overrides, experiment="qwen3_5", timeout=900)
-    assert proc.returncode == 0, tail(proc)
-    return [m for m in read_metrics(out, "qwen3_5") if "actor/pg_loss" in m]
+    """Two steps of the quickstart on ${tiny:qwen3_5_model_dir} through the CLI (a bfloat16 engine, as on every CPU
+    run of the family; padding-free passes): each step's metrics."""
+    overrides = ("worker.rollout.dtype=bfloat16", "worker.actor.padding_free=true", "trainer.save_hf_weights=false")
+    return family_cli_steps(tmp_path_factory, "qwen3_5", *overrides)[0]
 
 
 @pytest.mark.e2e

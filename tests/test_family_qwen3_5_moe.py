@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 import pytest
-from helpers.tiny_families import family_engine
+from helpers.tiny_families import family_cli_steps, family_engine, lora_two_steps, random_batch
 import torch
 from helpers.media import png, write_parquet
 from helpers.trajectories import Response, batch_of
@@ -98,11 +98,7 @@ def test_packed_equals_padded_through_the_sparse_blocks_and_the_experts_get_grad
 ):
     # Routing is per token, so packing changes no token's experts; the linear attention restarts at each packed
     # sequence (the family's prepare). Float32 noise apart (seen: ~1e-6).
-    generator = torch.Generator().manual_seed(0)
-    responses = [Response(s, i, torch.randint(0, 890, (n,), generator=generator).tolist()) for i, (s, n) in
-                 enumerate(zip(samples, [7, 3]))]  # fmt: skip
-    pad = processor.tokenizer.pad_token_id
-    batch = batch_of(responses, max_prompt_length=256, max_response_length=7, pad_token_id=pad)
+    batch = random_batch(samples, [7, 3], processor.tokenizer.pad_token_id, max_response_length=7)
     mask = batch.response_mask.bool()
     padded_aux, packed_aux = [], []
     with torch.no_grad():
@@ -140,24 +136,9 @@ def test_lora_adapts_the_shared_expert_and_both_attentions_and_leaves_the_router
     assert not any("visual" in n or ".mlp.gate." in n or ".mlp.experts." in n for n in trained), trained
     for name in (".shared_expert.", ".linear_attn.in_proj_qkv.", ".self_attn.q_proj."):
         assert any(name in n for n in trained), name
-    responses = [Response(s, i, [7, 11, 13][: i + 1]) for i, s in enumerate(samples)]
-    pad = processor.tokenizer.pad_token_id
-    batch = batch_of(responses, max_prompt_length=256, max_response_length=3, pad_token_id=pad)
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    for _ in range(2):  # B starts at zero: the first step moves B, the second A too
-        log_probs, _ = forward_response(model, batch, allowed, padding_free=True, with_entropy=False)
-        loss = -(log_probs * batch.response_mask).sum() / batch.response_mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
-    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
-    with torch.no_grad():
-        after, _ = forward_response(model.eval(), batch, allowed, padding_free=True, with_entropy=False)
-    real = batch.response_mask.bool()
-    assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
+    batch = random_batch(samples, [1, 2], processor.tokenizer.pad_token_id, max_response_length=3)
+    before, after = lora_two_steps(model, batch, allowed)  # the base weights untouched
+    assert after.mean() > before.mean()  # the loss went down
 
 
 @pytest.fixture(scope="module")
@@ -230,22 +211,10 @@ def test_after_a_resync_of_the_same_weights_the_engine_samples_as_before(rollout
 
 @pytest.fixture(scope="module")
 def cli_steps(tmp_path_factory):
-    """Two steps of the quickstart on ${tiny:qwen3_5_moe_model_dir} through ``python -m vlmrl.main`` (a bfloat16
-    engine, as on every CPU run of the family; padding-free passes): each step's metrics. The random model earns no
-    reward, so an entropy bonus is what moves the weights."""
-    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
-
-    out = tmp_path_factory.mktemp("qwen3_5_moe_cli") / "out"
-    overrides = [
-        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:qwen3_5_moe_model_dir}",
-        "worker.rollout.dtype=bfloat16", "worker.actor.padding_free=true", "worker.actor.entropy_coeff=0.5",
-        "worker.actor.optim.lr=1e-3", "data.val_files=", "trainer.val_before_train=false", "trainer.save_freq=-1",
-        "trainer.save_hf_weights=false", "trainer.logger=[file]",
-        "worker.actor.router_aux_loss_coef=0.01",
-    ]  # fmt: skip
-    proc = run_main(out, *overrides, experiment="qwen3_5_moe", timeout=900)
-    assert proc.returncode == 0, tail(proc)
-    return [m for m in read_metrics(out, "qwen3_5_moe") if "actor/pg_loss" in m]
+    """Two steps of the quickstart on ${tiny:qwen3_5_moe_model_dir} through the CLI (a bfloat16 engine, as on every
+    CPU run of the family; padding-free passes; the router's balancing loss on): each step's metrics."""
+    overrides = ("worker.rollout.dtype=bfloat16", "worker.actor.padding_free=true", "trainer.save_hf_weights=false")
+    return family_cli_steps(tmp_path_factory, "qwen3_5_moe", *overrides, "worker.actor.router_aux_loss_coef=0.01")[0]
 
 
 @pytest.mark.e2e

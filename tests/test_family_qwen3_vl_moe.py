@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.tiny_families import family_engine
+from helpers.tiny_families import family_cli_steps, family_engine, lora_two_steps, random_batch
 import torch
 from helpers.media import png, write_parquet
 from helpers.trajectories import Response, batch_of
@@ -117,11 +117,7 @@ def test_packed_equals_padded_the_experts_and_router_get_gradients_and_the_balan
     model_dir, samples, processor, allowed
 ):
     actor = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    responses = [Response(s, i, torch.randint(0, 890, (n,), generator=generator).tolist()) for i, (s, n) in
-                 enumerate(zip(samples, [7, 3, 5]))]  # fmt: skip
-    pad = processor.tokenizer.pad_token_id
-    batch = batch_of(responses, max_prompt_length=256, max_response_length=7, pad_token_id=pad)
+    batch = random_batch(samples, [7, 3, 5], processor.tokenizer.pad_token_id, max_response_length=7)
     mask = batch.response_mask.bool()
     padded_aux, packed_aux = [], []
     with torch.no_grad():
@@ -177,25 +173,10 @@ def test_lora_adapts_the_attention_and_leaves_the_router_the_experts_and_the_tow
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert not any("visual" in n or ".mlp.gate" in n or ".experts" in n for n in trained), trained
     assert any("self_attn.q_proj" in n for n in trained)
-    responses = [Response(s, i, [7, 11, 13][: i + 1]) for i, s in enumerate(samples)]
-    pad = processor.tokenizer.pad_token_id
-    batch = batch_of(responses, max_prompt_length=256, max_response_length=3, pad_token_id=pad)
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    for _ in range(2):  # B starts at zero: the first step moves B, the second A too
-        log_probs, _ = forward_response(model, batch, allowed, with_entropy=False, padding_free=True)
-        loss = -(log_probs * batch.response_mask).sum() / batch.response_mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
-    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    batch = random_batch(samples, [1, 2, 3], processor.tokenizer.pad_token_id, max_response_length=3)
+    before, after = lora_two_steps(model, batch, allowed)  # the base weights untouched
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
-    with torch.no_grad():
-        after, _ = forward_response(model.eval(), batch, allowed, with_entropy=False, padding_free=True)
-    real = batch.response_mask.bool()
-    assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
+    assert after.mean() > before.mean()  # the loss went down
 
 
 @pytest.mark.parametrize("coef", [0.0, 0.01])
@@ -285,22 +266,11 @@ def test_after_a_resync_of_changed_weights_the_engine_samples_with_them(
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """Two steps of the quickstart on ${tiny:qwen3_vl_moe_model_dir} through ``python -m vlmrl.main``: each step's
-    metrics, and the final checkpoint (with its HF weights). The random model earns no reward, so an entropy bonus
-    is what moves the weights."""
-    from helpers.runs import E2E_TRAINING, read_metrics, run_main, tail
-
-    out = tmp_path_factory.mktemp("moe_cli") / "out"
-    overrides = [
-        *E2E_TRAINING, "trainer.max_steps=2", "worker.actor.model.model_path=${tiny:qwen3_vl_moe_model_dir}",
-        "worker.actor.entropy_coeff=0.5", "worker.actor.optim.lr=1e-3", "data.val_files=",
-        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
-        "worker.actor.router_aux_loss_coef=0.01",
-    ]  # fmt: skip
-    proc = run_main(out, *overrides, experiment="moe", timeout=900)
-    assert proc.returncode == 0, tail(proc)
-    [checkpoint] = (out / "vlmrl" / "moe" / "checkpoints").glob("global_step_*")
-    return [m for m in read_metrics(out, "moe") if "actor/pg_loss" in m], checkpoint
+    """Two steps of the quickstart on ${tiny:qwen3_vl_moe_model_dir} through the CLI, with the router's balancing
+    loss: each step's metrics, and the final checkpoint (with its HF weights)."""
+    steps, run_dir = family_cli_steps(tmp_path_factory, "qwen3_vl_moe", "worker.actor.router_aux_loss_coef=0.01")
+    [checkpoint] = (run_dir / "checkpoints").glob("global_step_*")
+    return steps, checkpoint
 
 
 @pytest.fixture(scope="module")
