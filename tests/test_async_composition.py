@@ -2,8 +2,8 @@
 
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
-* Multi-turn rollouts on a rollout server with two training workers, external agents and workflow classes
-  (one of them on two training workers) colocated, and a slow agent on a rollout server, each at eta = 1.
+* Multi-turn rollouts on a rollout server with two training workers, an external agent and a workflow class
+  colocated (each on two training workers), and a slow agent on a rollout server, each at eta = 1.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
@@ -122,12 +122,17 @@ def test_multi_turn_rollouts_run_on_a_rollout_server_within_the_bound(multi_turn
         assert m["async/consumed"] == m["step"] * 4
     # From step 2 the groups trained were admitted a version earlier.
     assert any(m["async/lag/max"] == 1 for m in multi_turn_served[1:])
+    # Per-token versions: step 1's tokens are all version 0; a later step's turns were sampled at v - 1 or, for a
+    # trajectory a push reached between its turns, partly at v: none older, and the decoupled loss sees them.
+    assert multi_turn_served[0]["async/token_lag/mean"] == 0
+    assert all(0 <= m["async/token_lag/mean"] <= 1 for m in multi_turn_served[1:])
+    assert multi_turn_served[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
 
 
 # --------------------------------------------------------------------------- kinds whose rows vary, colocated
 
 VARYING = {
-    "openai_agent": ["config=examples/openai_agent/config.yaml"],
+    "openai_agent": ["config=examples/openai_agent/config.yaml", "trainer.n_gpus_per_node=2"],  # two workers
     "workflow_class": ["config=examples/workflow.yaml", "trainer.n_gpus_per_node=2"],  # two training workers
     "workflow_class_on_a_server": ["config=examples/workflow.yaml", *PLACEMENTS["disaggregated"]],
 }
@@ -135,8 +140,8 @@ VARYING = {
 
 @pytest.fixture(scope="module", params=sorted(VARYING))
 def varying_rows(request, tmp_path_factory):
-    """An external agent (the OpenAI-SDK demo, two calls a rollout) and a workflow class (zoom and answer, on two
-    training workers), each at eta = 1 colocated, and the workflow class on one rollout server, for 3 steps of 4
+    """An external agent (the OpenAI-SDK demo, two calls a rollout) and a workflow class (zoom and answer), each at
+    eta = 1 colocated on two training workers, and the workflow class on one rollout server, for 3 steps of 4
     prompts x 4 rollouts."""
     tmp = tmp_path_factory.mktemp(f"async_{request.param}")
     proc = run_main(
