@@ -2,8 +2,8 @@
 
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
-* Multi-turn rollouts on a rollout server with two training workers, an external agent and a workflow class
-  colocated (each on two training workers), and a slow agent on a rollout server, each at eta = 1.
+* Multi-turn rollouts colocated and on a rollout server with two training workers, an external agent and a
+  workflow class colocated (each on two training workers), and a slow agent on a rollout server, each at eta = 1.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
@@ -95,38 +95,47 @@ def test_async_remax_has_its_greedy_baseline_each_step(dapo_remax):
 # --------------------------------------------------------------------------- multi-turn on a rollout server
 
 
-@pytest.fixture(scope="module")
-def multi_turn_served(tmp_path_factory):
-    """The agent quickstart (reveal tool, two turns) at eta = 1 on one rollout server and two training workers, a
-    small batch."""
-    tmp = tmp_path_factory.mktemp("async_multi_turn_server")
+MULTI_TURN = {
+    "colocated": [],  # one worker
+    "on_a_server": [*PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2"],  # two training workers
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MULTI_TURN))
+def multi_turn_async(request, tmp_path_factory):
+    """The agent quickstart (reveal tool, two turns) at eta = 1, colocated on one worker and on one rollout server
+    with two training workers, a small batch."""
+    tmp = tmp_path_factory.mktemp(f"async_multi_turn_{request.param}")
     proc = run_main(
-        tmp / "out", AGENT, ASYNC, *PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2",
-        f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
+        tmp / "out", AGENT, ASYNC, *MULTI_TURN[request.param], f"trainer.max_steps={STEPS}",
+        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
         "worker.actor.micro_batch_size_per_device_for_update=8", "worker.rollout.calculate_log_probs=true",
         "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
-        experiment="multi_turn_served", timeout=900,
+        experiment="multi_turn", timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, tail(proc)
-    assert "rollout servers: 1" in proc.stdout and "workers: 2 on cpu" in proc.stdout, tail(proc)
-    return [m for m in read_metrics(tmp / "out", "multi_turn_served") if "actor/pg_loss" in m]
+    served = request.param == "on_a_server"
+    assert ("rollout servers: 1" in proc.stdout) == served, tail(proc)
+    assert f"workers: {2 if served else 1} on cpu" in proc.stdout, tail(proc)
+    return [m for m in read_metrics(tmp / "out", "multi_turn") if "actor/pg_loss" in m]
 
 
-def test_multi_turn_rollouts_run_on_a_rollout_server_within_the_bound(multi_turn_served):
-    assert [m["step"] for m in multi_turn_served] == list(range(1, STEPS + 1))
-    for m in multi_turn_served:
-        # The turn loop ran on the server: tool calls were made and answered by a second turn.
+def test_multi_turn_rollouts_run_under_async_within_the_bound(multi_turn_async):
+    assert [m["step"] for m in multi_turn_async] == list(range(1, STEPS + 1))
+    for m in multi_turn_async:
+        # The turn loop ran (on the server, there): tool calls were made and answered by a second turn.
         assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] == 2, m["step"]
         # Every trained token within the bound: the oldest token of a group (its first turn) decides.
         assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
         assert m["async/consumed"] == m["step"] * 4
     # From step 2 the groups trained were admitted a version earlier.
-    assert any(m["async/lag/max"] == 1 for m in multi_turn_served[1:])
-    # Per-token versions: step 1's tokens are all version 0; a later step's turns were sampled at v - 1 or, for a
-    # trajectory a push reached between its turns, partly at v: none older, and the decoupled loss sees them.
-    assert multi_turn_served[0]["async/token_lag/mean"] == 0
-    assert all(0 <= m["async/token_lag/mean"] <= 1 for m in multi_turn_served[1:])
-    assert multi_turn_served[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
+    assert any(m["async/lag/max"] == 1 for m in multi_turn_async[1:])
+    # Per-token versions: step 1's tokens are all version 0; a later step's turns were sampled at v - 1 or, on a
+    # server, for a trajectory a push reached between its turns, partly at v: none older, and the decoupled loss
+    # sees them.
+    assert multi_turn_async[0]["async/token_lag/mean"] == 0
+    assert all(0 <= m["async/token_lag/mean"] <= 1 for m in multi_turn_async[1:])
+    assert multi_turn_async[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
 
 
 # --------------------------------------------------------------------------- kinds whose rows vary, colocated
