@@ -143,15 +143,18 @@ def test_multi_turn_rollouts_run_under_async_within_the_bound(multi_turn_async):
 VARYING = {
     "openai_agent": ["config=examples/openai_agent/config.yaml", "trainer.n_gpus_per_node=2"],  # two workers
     "workflow_class": ["config=examples/workflow.yaml", "trainer.n_gpus_per_node=2"],  # two training workers
-    "workflow_class_on_a_server": ["config=examples/workflow.yaml", *PLACEMENTS["disaggregated"]],
+    # The server's engine sharded over two processes of its own (tensor parallel).
+    "workflow_class_on_a_server": [
+        "config=examples/workflow.yaml", *PLACEMENTS["disaggregated"], "worker.rollout.tensor_parallel_size=2"
+    ],
 }
 
 
 @pytest.fixture(scope="module", params=sorted(VARYING))
 def varying_rows(request, tmp_path_factory):
     """An external agent (the OpenAI-SDK demo, two calls a rollout) and a workflow class (zoom and answer), each at
-    eta = 1 colocated on two training workers, and the workflow class on one rollout server, for 3 steps of 4
-    prompts x 4 rollouts."""
+    eta = 1 colocated on two training workers, and the workflow class on one rollout server whose engine is sharded
+    over two processes, for 3 steps of 4 prompts x 4 rollouts."""
     tmp = tmp_path_factory.mktemp(f"async_{request.param}")
     proc = run_main(
         tmp / "out", *VARYING[request.param], ASYNC, f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4",
@@ -162,6 +165,8 @@ def varying_rows(request, tmp_path_factory):
     assert proc.returncode == 0, tail(proc)
     workers = 2 if "trainer.n_gpus_per_node=2" in VARYING[request.param] else 1
     assert f"workers: {workers} on cpu" in proc.stdout, tail(proc)
+    if "worker.rollout.tensor_parallel_size=2" in VARYING[request.param]:
+        assert "sharded over 2 processes of its own (tensor parallel)" in proc.stdout, tail(proc)
     return [m for m in read_metrics(tmp / "out", request.param) if "actor/pg_loss" in m]
 
 
