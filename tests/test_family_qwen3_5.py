@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 import pytest
-from helpers.tiny_families import family_cli_steps, family_engine
+from helpers.tiny_families import family_cli_steps, family_engine, lora_two_steps
 import torch
 from helpers.configs import CPU, QUICKSTART, problems_of
 from helpers.media import png, write_parquet
@@ -161,25 +161,11 @@ def test_lora_adapts_both_layer_kinds_but_not_the_tower_and_packed_still_equals_
 def test_lora_trains_its_adapters_and_leaves_the_base_alone(model_dir, hand_batch, allowed):
     model = load_pretrained(str(model_dir), torch.float32, trust_remote_code=False)
     add_lora(model, LoraConfig(rank=4, alpha=8))
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    mask = hand_batch.response_mask
-    model.train()
-    for _ in range(2):  # B starts at zero: the first step moves B, the second A too
-        log_probs, _ = forward_response(model, hand_batch, allowed, padding_free=True, with_entropy=False)
-        loss = -(log_probs * mask).sum() / mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
-        optimizer.step()
-    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    before, after = lora_two_steps(model, hand_batch, allowed)  # the base weights untouched
     # Both layer kinds' adapters moved: the linear attention's and the full attention's.
     for name in (".linear_attn.in_proj_qkv.lora_B", ".self_attn.q_proj.lora_B"):
         assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if name in n), name
-    with torch.no_grad():
-        after, _ = forward_response(model.eval(), hand_batch, allowed, padding_free=True, with_entropy=False)
-    real = mask.bool()
-    assert after[real].mean() > log_probs.detach()[real].mean()  # the loss went down
+    assert after.mean() > before.mean()  # the loss went down
 
 
 def test_without_the_familys_prepare_the_linear_attention_runs_across_packed_sequences(model_dir, hand_batch, allowed):
