@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from helpers.media import png, write_parquet, write_video
 from helpers.trajectories import Response, batch_of
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.config import LoraConfig
 from vlmrl.data.dataset import RLHFDataset
