@@ -121,6 +121,11 @@ def forward_response(
         logits = out.logits[:, :-1, :].float()  # (b, r, V)
         targets = layout.responses.to(device)  # (b, r)
     if router_losses is not None:
+        if getattr(out, "aux_loss", None) is None:  # validation refuses a dense family; a Hub id reaches here
+            raise ValueError(
+                f"worker.actor.router_aux_loss_coef > 0, but {type(model).__name__} returns no router load-balancing "
+                "loss: it is no mixture-of-experts model; use worker.actor.router_aux_loss_coef=0"
+            )
         router_losses.append(out.aux_loss)
     # Dividing by 1 changes no logit and would cost a (tokens, vocab) copy, and its backward another.
     if bool((temperatures != 1.0).any()):
