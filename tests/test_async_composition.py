@@ -1,16 +1,24 @@
-"""Asynchronous training composed with DAPO's online filtering and ReMax (``vlmrl.driver.async_sampler``).
+"""Asynchronous training composed with every rollout kind, DAPO's online filtering and ReMax
+(``vlmrl.driver.async_sampler``).
 
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
 * Multi-turn rollouts colocated and on a rollout server with two training workers, an external agent and a
-  workflow class colocated (each on two training workers), and a slow agent on a rollout server, each at eta = 1.
+  workflow class colocated (each on two training workers), a workflow class on a tensor-parallel rollout server,
+  and a slow agent on a rollout server, each at eta = 1. Each run writes the rows each step trained
+  (``trainer.rollout_data_dir``): every trained token's version is checked against the bound, row by row.
+* Multi-turn on a server, with a tool that waits 2 s: a push lands between a trajectory's turns, and its tokens
+  say so (the first turn at the version that sampled it, the second at the next, the tool's at none).
+* Resumed from step 1's checkpoint (multi-turn in both placements, the agent colocated, the workflow class on
+  the server): the resumed run trains each step's prompts as the uninterrupted run did, the checkpoint's admitted
+  but untrained groups generated again and step 1's not repeated, within the bound.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
-  token older than the bound, and each step has ReMax's greedy baseline. The reward function makes the filter's choice known in advance:
-  prompts whose answer is "red" score 1.0 on every sample (a group mean of 1, outside (0.01, 0.99)), every
-  other prompt scores between 0.2 and 0.8 (inside); a sub-score ``red`` marks the first kind, so its mean over
-  the trained samples, as the step logs it, is 0 exactly when no filtered group trained.
+  token older than the bound, and each step has ReMax's greedy baseline. The reward function makes the filter's
+  choice known in advance: prompts whose answer is "red" score 1.0 on every sample (a group mean of 1, outside
+  (0.01, 0.99)), every other prompt scores between 0.2 and 0.8 (inside); a sub-score ``red`` marks the first kind,
+  so its mean over the trained samples, as the step logs it, is 0 exactly when no filtered group trained.
 
 The sampler's logic itself (slots given back, max_try_make_batch, the greedy call at the group's version) is
 tests/test_async_sampler.py's, on stand-ins.
@@ -18,16 +26,20 @@ tests/test_async_sampler.py's, on stand-ins.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from helpers.async_dapo_remax import PLACEMENTS, STEPS, dapo_remax_steps
 from helpers.configs import CPU, QUICKSTART
+from helpers.resume_point import resume_point
 from helpers.runs import REPO, E2E_PROMPTS, experiment_dir, read_metrics, run_main, tail
 
+from vlmrl.driver.checkpoint import load_trainer_state
 from vlmrl.validate import load_config
 
 ASYNC = "worker.rollout.async_rl.enable=true"
@@ -92,53 +104,138 @@ def test_async_remax_has_its_greedy_baseline_each_step(dapo_remax):
         assert 0.2 <= m["reward_baseline/overall"] <= 0.8 and m["reward_baseline/red"] == 0.0
 
 
-# --------------------------------------------------------------------------- multi-turn on a rollout server
+# --------------------------------------------------------------------------- multi-turn, colocated and on a server
 
+SMALL = [
+    "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
+    "worker.actor.micro_batch_size_per_device_for_update=8", "data.val_files=", "trainer.val_before_train=false",
+    "trainer.logger=[console,file]", "trainer.save_freq=1",
+]  # fmt: skip
+"""3 steps of 4 prompts x 4 rollouts, each step saved (to resume from step 1) and its rows written."""
+
+WAIT_S = 2.0
+SLOW_REVEAL = textwrap.dedent(
+    f"""
+    import time
+
+    from vlmrl.api import ToolResult, tool
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agent_tools", {str(REPO / "examples" / "agent_tools.py")!r})
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+
+
+    @tool(name="reveal", description="Show the picture.")
+    def reveal(context) -> ToolResult:
+        # As a sandbox or a web request would: the trainer's step and its push fit in this wait.
+        time.sleep({WAIT_S})
+        return tools.reveal(context)
+    """
+)
 
 MULTI_TURN = {
     "colocated": [],  # one worker
-    "on_a_server": [*PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2"],  # two training workers
+    # Two training workers; the tool waits WAIT_S s, so that pushes land between a trajectory's turns.
+    "on_a_server": [*PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2", "SLOW_REVEAL"],
 }
+
+
+@dataclasses.dataclass
+class Cell:
+    """One cell's run: its metrics per step, the rows each step trained, and how to run it again."""
+
+    steps: list[dict]
+    rows: dict[int, list[dict]]
+    tmp: Path
+    command: list[str]
+    experiment: str
+
+
+def run_cell(tmp: Path, experiment: str, command: list[str]) -> tuple[Cell, str]:
+    full = [*command, ASYNC, f"trainer.max_steps={STEPS}", *SMALL, f"trainer.rollout_data_dir={tmp / 'rows'}"]
+    proc = run_main(tmp / "out", *full, experiment=experiment, timeout=900)
+    assert proc.returncode == 0, tail(proc)
+    steps = [m for m in read_metrics(tmp / "out", experiment) if "actor/pg_loss" in m]
+    return Cell(steps, trained_rows(tmp / "rows"), tmp, full, experiment), proc.stdout
 
 
 @pytest.fixture(scope="module", params=sorted(MULTI_TURN))
 def multi_turn_async(request, tmp_path_factory):
     """The agent quickstart (reveal tool, two turns) at eta = 1, colocated on one worker and on one rollout server
-    with two training workers, a small batch."""
+    with two training workers and a slow tool, a small batch."""
     tmp = tmp_path_factory.mktemp(f"async_multi_turn_{request.param}")
-    proc = run_main(
-        tmp / "out", AGENT, ASYNC, *MULTI_TURN[request.param], f"trainer.max_steps={STEPS}",
-        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=4",
-        "worker.actor.micro_batch_size_per_device_for_update=8", "worker.rollout.calculate_log_probs=true",
-        "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
-        experiment="multi_turn", timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, tail(proc)
+    command = [AGENT, "worker.rollout.calculate_log_probs=true"]
+    for key in MULTI_TURN[request.param]:
+        if key == "SLOW_REVEAL":
+            (tmp / "slow_reveal.py").write_text(SLOW_REVEAL)
+            key = f"worker.rollout.multi_turn.tools=[{tmp / 'slow_reveal.py'}:reveal]"
+        command.append(key)
+    cell, stdout = run_cell(tmp, "multi_turn", command)
     served = request.param == "on_a_server"
-    assert ("rollout servers: 1" in proc.stdout) == served, tail(proc)
-    assert f"workers: {2 if served else 1} on cpu" in proc.stdout, tail(proc)
-    return [m for m in read_metrics(tmp / "out", "multi_turn") if "actor/pg_loss" in m]
+    assert ("rollout servers: 1" in stdout) == served, stdout[-4000:]
+    assert f"workers: {2 if served else 1} on cpu" in stdout, stdout[-4000:]
+    return cell
 
 
 def test_multi_turn_rollouts_run_under_async_within_the_bound(multi_turn_async):
-    assert [m["step"] for m in multi_turn_async] == list(range(1, STEPS + 1))
-    for m in multi_turn_async:
+    steps = multi_turn_async.steps
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    for m in steps:
         # The turn loop ran (on the server, there): tool calls were made and answered by a second turn.
         assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] == 2, m["step"]
         # Every trained token within the bound: the oldest token of a group (its first turn) decides.
         assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
         assert m["async/consumed"] == m["step"] * 4
     # From step 2 the groups trained were admitted a version earlier.
-    assert any(m["async/lag/max"] == 1 for m in multi_turn_async[1:])
-    # Per-token versions: step 1's tokens are all version 0; a later step's turns were sampled at v - 1 or, on a
-    # server, for a trajectory a push reached between its turns, partly at v: none older, and the decoupled loss
-    # sees them.
-    assert multi_turn_async[0]["async/token_lag/mean"] == 0
-    assert all(0 <= m["async/token_lag/mean"] <= 1 for m in multi_turn_async[1:])
-    assert multi_turn_async[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
+    assert any(m["async/lag/max"] == 1 for m in steps[1:])
+    # Per-token versions: step 1's tokens are all version 0, and the decoupled loss sees no gap there.
+    assert steps[0]["async/token_lag/mean"] == 0
+    assert steps[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
+    # Every trained token, row by row: sampled by a version at most one behind the step's, none newer.
+    for step, rows in multi_turn_async.rows.items():
+        for row in rows:
+            generated = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
+            assert generated and all(step - 2 <= v <= step - 1 for v in generated), (step, row["versions"])
 
 
-# --------------------------------------------------------------------------- kinds whose rows vary, colocated
+def test_per_token_versions_across_a_push_at_a_turn_boundary(multi_turn_async):
+    """On a server, a push that lands while a trajectory waits for its tool leaves its first turn at the version
+    that sampled it and its second at the next: the tool's tokens have none (-1), a turn's tokens one version
+    (keep_kv: a push that landed inside a turn would give that turn two, in order), and no token goes back."""
+    rows = [r for step_rows in multi_turn_async.rows.values() for r in step_rows]
+    straddled = 0
+    for row in rows:
+        turns = _turn_versions(row)
+        assert all(v == -1 for v, m in zip(row["versions"], row["loss_mask"]) if not m), row["versions"]
+        flat = [v for turn in turns for v in turn]
+        assert flat == sorted(flat), turns  # later tokens never come from older weights
+        if len(turns) == 2 and len(set(turns[0])) == len(set(turns[1])) == 1 and turns[1][0] == turns[0][0] + 1:
+            straddled += 1
+    if not any(c == PLACEMENTS["disaggregated"][0] for c in multi_turn_async.command):
+        # Colocated, the engine does not generate while the trainer trains: no trajectory meets a push.
+        assert straddled == 0
+        return
+    # The tool waits WAIT_S s, longer than a step's update and push: trajectories admitted while the trainer
+    # trained met a push between their turns.
+    assert straddled >= 1, [_turn_versions(r) for r in rows]
+    assert max(m["async/partial_rollout_share"] for m in multi_turn_async.steps) > 0
+
+
+def _turn_versions(row: dict) -> list[list[int]]:
+    """The versions of each model turn's tokens: the runs of loss_mask = 1."""
+    turns, current = [], []
+    for v, m in zip(row["versions"], row["loss_mask"]):
+        if m:
+            current.append(v)
+        elif current:
+            turns.append(current)
+            current = []
+    return [*turns, current] if current else turns
+
+
+# --------------------------------------------------------------------------- kinds whose rows vary
 
 VARYING = {
     "openai_agent": ["config=examples/openai_agent/config.yaml", "trainer.n_gpus_per_node=2"],  # two workers
@@ -156,30 +253,99 @@ def varying_rows(request, tmp_path_factory):
     eta = 1 colocated on two training workers, and the workflow class on one rollout server whose engine is sharded
     over two processes, for 3 steps of 4 prompts x 4 rollouts."""
     tmp = tmp_path_factory.mktemp(f"async_{request.param}")
-    proc = run_main(
-        tmp / "out", *VARYING[request.param], ASYNC, f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4",
-        "worker.actor.global_batch_size=4", "worker.rollout.n=4", "worker.actor.micro_batch_size_per_device_for_update=8",
-        "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[console,file]",
-        experiment=request.param, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, tail(proc)
+    cell, stdout = run_cell(tmp, request.param, VARYING[request.param])
     workers = 2 if "trainer.n_gpus_per_node=2" in VARYING[request.param] else 1
-    assert f"workers: {workers} on cpu" in proc.stdout, tail(proc)
+    assert f"workers: {workers} on cpu" in stdout, stdout[-4000:]
     if "worker.rollout.tensor_parallel_size=2" in VARYING[request.param]:
-        assert "sharded over 2 processes of its own (tensor parallel)" in proc.stdout, tail(proc)
-    return [m for m in read_metrics(tmp / "out", request.param) if "actor/pg_loss" in m]
+        assert "sharded over 2 processes of its own (tensor parallel)" in stdout, stdout[-4000:]
+    return cell
 
 
 def test_agents_and_workflow_classes_train_under_async_within_the_bound(varying_rows):
-    assert [m["step"] for m in varying_rows] == list(range(1, STEPS + 1))
-    for m in varying_rows:
+    steps = varying_rows.steps
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    for m in steps:
         assert m["async/consumed"] == m["step"] * 4  # the step's 4 groups, whatever their rows
         assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
         # Scored and given advantages per rollout before the passes, then trimmed to whole mini-batches.
         assert m["trace/rows_trained"] >= 4 and m["trace/rows_trained"] % 4 == 0, m["step"]
         assert m["async/carried_over"] == 4  # the next step's groups, admitted ahead
     # From step 2 the groups trained were generated by the weights one update older.
-    assert all(m["async/lag/max"] == 1 for m in varying_rows[1:])
+    assert all(m["async/lag/max"] == 1 for m in steps[1:])
+    for step, rows in varying_rows.rows.items():
+        assert len(rows) == steps[step - 1]["trace/rows_trained"]
+        assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
+
+
+# --------------------------------------------------------------------------- resumed after step 1
+
+RESUMED = {"openai_agent", "workflow_class_on_a_server"}
+"""The cells of VARYING resumed; every cell of MULTI_TURN is."""
+
+
+def trained_rows(directory: Path) -> dict[int, list[dict]]:
+    """trainer.rollout_data_dir's files: the rows each step trained."""
+    return {
+        int(f.stem.split("_")[1]): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in sorted(directory.glob("step_*.jsonl"))
+    }
+
+
+def resumed(cell: Cell, tmp_path_factory) -> tuple[Cell, list[int], str]:
+    """``cell``'s run as it stood after step 1, started again with the same command (its rows written apart);
+    also the data rows the step-1 checkpoint holds admitted but not trained."""
+    out = tmp_path_factory.mktemp(f"resumed_{cell.experiment}")
+    run_dir = experiment_dir(cell.tmp / "out", cell.experiment)
+    copy = resume_point(run_dir, experiment_dir(out / "out", cell.experiment), step=1)
+    pending = [int(row) for row, _ in load_trainer_state(copy / "checkpoints" / "global_step_1")["sampler"]["pending"]]
+    command = [c for c in cell.command if not c.startswith("trainer.rollout_data_dir=")]
+    proc = run_main(out / "out", *command, f"trainer.rollout_data_dir={out / 'rows'}", experiment=cell.experiment,
+                    timeout=900)  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    steps = [m for m in read_metrics(out / "out", cell.experiment) if "actor/pg_loss" in m]
+    return Cell(steps, trained_rows(out / "rows"), out, command, cell.experiment), pending, proc.stdout
+
+
+def assert_resume_trains_each_prompt_once(cell: Cell, again: Cell, pending: list[int], log: str) -> None:
+    assert "resumed from" in log and "global_step_1" in log
+    prompts = {step: sorted({r["row"] for r in rows}) for step, rows in cell.rows.items()}
+    resumed_prompts = {step: sorted({r["row"] for r in rows}) for step, rows in again.rows.items()}
+    # The uninterrupted run trained 4 new prompts a step, none twice.
+    assert all(len(p) == 4 for p in prompts.values()) and len({r for p in prompts.values() for r in p}) == 4 * STEPS
+    # The resumed run trained steps 2 and 3 only, the same prompts as the uninterrupted run (each step takes the
+    # oldest admitted groups, in data order): the groups the checkpoint held admitted and not trained were
+    # generated again (none lost), step 1's were not (none twice).
+    assert sorted(resumed_prompts) == list(range(2, STEPS + 1))
+    assert resumed_prompts == {s: p for s, p in prompts.items() if s > 1}
+    assert len(pending) == 4 and set(pending) == set(prompts[2])
+    assert not set(prompts[1]) & {r for p in resumed_prompts.values() for r in p}
+    # Within the bound after the resume too, its first step's groups at the restored weights' version.
+    # (The copy's metrics hold step 1 as the killed run logged it.)
+    assert [m["step"] for m in again.steps] == list(range(1, STEPS + 1))
+    assert all(m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0 for m in again.steps)
+    for step, rows in again.rows.items():
+        assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
+
+
+@pytest.fixture(scope="module")
+def multi_turn_resumed(multi_turn_async, tmp_path_factory):
+    return resumed(multi_turn_async, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def varying_resumed(varying_rows, tmp_path_factory):
+    if varying_rows.experiment not in RESUMED:
+        pytest.skip("a colocated workflow class resumes as the colocated agent does (the same sampler state); "
+                    "left out for the suite's time")  # fmt: skip
+    return resumed(varying_rows, tmp_path_factory)
+
+
+def test_a_resumed_multi_turn_run_trains_each_prompt_once(multi_turn_async, multi_turn_resumed):
+    assert_resume_trains_each_prompt_once(multi_turn_async, *multi_turn_resumed)
+
+
+def test_a_resumed_agent_or_workflow_run_trains_each_prompt_once(varying_rows, varying_resumed):
+    assert_resume_trains_each_prompt_once(varying_rows, *varying_resumed)
 
 
 # --------------------------------------------------------------------------- on a rollout server, a slow agent

@@ -81,7 +81,8 @@ def _eta1_command(tmp):
     (tmp / "reward.py").write_text(PROMPT_LOGGING_REWARD)
     reward = [f"worker.reward.reward_function={tmp / 'reward.py'}:compute_score",
               f"worker.reward.reward_function_kwargs.log_path={tmp / 'reward_calls.jsonl'}"]  # fmt: skip
-    return [*E2E_TRAINING, *reward, *QUIET, *ETA1, "trainer.save_freq=1", "trainer.max_steps=3"]
+    return [*E2E_TRAINING, *reward, *QUIET, *ETA1, "trainer.save_freq=1", "trainer.max_steps=3",
+            f"trainer.rollout_data_dir={tmp / 'rows'}"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,14 @@ def test_eta_1_trains_groups_one_version_old_and_never_older(eta1):
     # The decoupled loss sees stale samples: behaviour (vLLM at v-1) differs from proximal (the actor at v).
     assert steps[0]["actor/behav_prox_kl"] == pytest.approx(0, abs=1e-5)
     assert all(m["actor/behav_prox_kl"] > 1e-4 for m in steps[1:])
+    # The rows each step trained (trainer.rollout_data_dir), token by token: step 1's and step 2's sampled by
+    # version 0, step 3's by version 1; B prompts x n samples a step, with their scores and advantages.
+    for step, version in [(1, 0), (2, 0), (3, 1)]:
+        rows = [json.loads(line) for line in (eta1 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == E2E_PROMPTS * E2E_N and len({r["group"] for r in rows}) == E2E_PROMPTS
+        assert all(r["versions"] and set(r["versions"]) == {version} for r in rows), step
+        assert all(len(r["versions"]) == len(r["response_ids"]) == len(r["rollout_log_probs"]) for r in rows)
+        assert all(0 <= r["scores"]["overall"] <= 1 and "advantage" in r for r in rows)
 
 
 @pytest.fixture(scope="module")

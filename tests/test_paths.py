@@ -76,6 +76,15 @@ def test_a_missing_relative_path_names_the_directory_it_was_resolved_from(cwd, c
     assert [p for p in problems if p.startswith(expected + FROM_CWD.format(cwd=cwd))], problems
 
 
+def test_a_rollout_data_dir_that_is_a_file_is_refused_naming_where_it_was_resolved(cwd):
+    (cwd / "rows").write_text("not a directory")
+    problems = problems_of(QUICKSTART, "trainer.rollout_data_dir=rows", cluster=CPU)
+    assert [p for p in problems if p.startswith("trainer.rollout_data_dir: rows is a file, not a directory" +
+                                                FROM_CWD.format(cwd=cwd))], problems  # fmt: skip
+    fine = problems_of(QUICKSTART, "trainer.rollout_data_dir=new/rows", cluster=CPU)  # made when first written
+    assert not [p for p in fine if p.startswith("trainer.rollout_data_dir")], fine
+
+
 def test_the_examples_own_relative_paths_are_read_from_the_current_directory_too(cwd):
     # Run from elsewhere than the repository, the quickstart's own paths are missing and say where they were looked
     # for.

@@ -831,6 +831,10 @@ class TrainerConfig:
     """Run validation once (on the resumed checkpoint, or the base model) and exit."""
     val_generations_to_log: int = 0
     """Validation samples (prompt, images, response, scores) sent to the loggers at each validation."""
+    rollout_data_dir: str | None = None
+    """Write the rows each training step trained to <dir>/step_<k>.jsonl (verl's key): data row, group, prompt,
+    response, scores, advantage, token ids, vLLM's log-probs and the policy version of every generated token; a
+    conversation's messages and tool calls too. null writes none."""
     save_freq: int = -1
     """Save a checkpoint every this many steps; -1 saves by save_every_minutes, at the end and on SIGTERM/SIGINT."""
     save_every_minutes: float | None = 30.0

@@ -17,6 +17,7 @@ from vlmrl.rng import rng_state, set_rng_state
 from vlmrl.driver.advantage import AdvantageStage
 from vlmrl.driver.async_sampler import AsyncRolloutSampler
 from vlmrl.driver.hooks import RunHooks
+from vlmrl.driver.generations import write_generations
 from vlmrl.driver.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state, verify_shards
 from vlmrl.driver.resume import fingerprint
 from vlmrl.driver.save_schedule import SaveSchedule
@@ -231,6 +232,8 @@ class TrainingLoop:
                     with timer("update_weights", timings):
                         resync_metrics = self.workers.sync_weights()
                     self.sampler.weights_synced()
+                if self.config.trainer.rollout_data_dir:  # what the step trained, written once it has trained
+                    write_generations(Path(self.config.trainer.rollout_data_dir) / f"step_{step}.jsonl", batch, step)
                 self.workers.release()  # the workers drop the step's trajectories
                 val_metrics = {}
                 # A stop request skips validation: the grace period before SIGKILL is for saving.

@@ -111,6 +111,7 @@ NOT_FINGERPRINTED = (
     "worker.rollout.disable_tqdm", "worker.rollout.agent_hooks",
     "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.output_dir", "trainer.verbose",
     "trainer.val_freq", "trainer.val_before_train", "trainer.val_only", "trainer.val_generations_to_log",
+    "trainer.rollout_data_dir",
     "trainer.ray_timeline", "trainer.max_consecutive_skipped_steps", "trainer.fail_without_signal_steps",
     "trainer.max_try_make_batch", "trainer.start_timeout_s", "trainer.step_timeout_s",
     # How long the run goes on, and when, where and what it saves and resumes from.

@@ -20,12 +20,12 @@ every score), else the response text with surrounding whitespace stripped.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from vlmrl.records import Batch
+from vlmrl.driver.generations import write_generations
 from vlmrl.driver.metrics import reduce_reward_metrics
 from vlmrl.driver.rollout_scores import RolloutScoring
 from vlmrl.driver.scoring import Scorer
@@ -79,44 +79,9 @@ class Validator:
 
     def _write_generations(self, batch: Batch, step: int) -> None:
         """The first generations_to_log samples, with token ids and vLLM's log-probs, as JSON lines."""
-        count = min(self.generations_to_log, len(batch))
-        if count == 0:
-            return
-        path = self.experiment_dir / "generations" / f"step_{step}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for i in range(count):
-                length = int(batch.response_mask[i].sum())
-                row = {
-                    "step": step,
-                    "row": batch.row_indices[i],
-                    "prompt": batch.prompt_texts[i],
-                    "response": batch.response_texts[i],
-                    "ground_truth": batch.ground_truths[i],
-                    "data_source": batch.data_sources[i],
-                    "scores": {k: v[i] for k, v in batch.reward_metrics.items()},
-                    "response_ids": batch.responses[i, :length].tolist(),
-                    "rollout_log_probs": batch.rollout_log_probs[i, :length].tolist()
-                    if batch.rollout_log_probs is not None
-                    else None,
-                }
-                t = batch.trajectories[i]
-                if t.rollout_id:  # an external agent's row: its rollout, and the calls merged into it
-                    row["rollout_id"] = t.rollout_id
-                if t.turn_ends:  # a conversation: every token after the prompt, which of them the model wrote
-                    completion = t.completion_ids
-                    row.update(
-                        response_ids=completion,
-                        loss_mask=t.loss_mask[t.prompt_length :],
-                        rollout_log_probs=t.log_probs[t.prompt_length :] if t.log_probs is not None else None,
-                        messages=t.messages,
-                        tool_calls=t.tool_calls,
-                        turn_rewards=t.turn_rewards,
-                        stop_reason=t.stop_reason,
-                        images=len(t.media),
-                    )
-                f.write(json.dumps(row) + "\n")
-
+        if self.generations_to_log > 0:
+            path = self.experiment_dir / "generations" / f"step_{step}.jsonl"
+            write_generations(path, batch, step, self.generations_to_log)
 
 def at_n_metrics(
     sources: Sequence[str],

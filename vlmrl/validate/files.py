@@ -202,6 +202,12 @@ def checkpoint_problems(trainer: TrainerConfig) -> list[str]:
                 f"trainer.load_checkpoint_path={ckpt}: not a complete checkpoint (no COMPLETE marker); "
                 "point it at a global_step_<k> directory that a finished save wrote"
             )
+    dump = Path(trainer.rollout_data_dir) if trainer.rollout_data_dir else None
+    if dump is not None and dump.exists() and not dump.is_dir():
+        problems.append(
+            f"trainer.rollout_data_dir: {dump} is a file, not a directory{resolved_from(dump)}; name a directory "
+            "for the step_<k>.jsonl files, or null to write none"
+        )
     return problems
 
 
