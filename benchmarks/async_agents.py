@@ -1,13 +1,15 @@
 """Asynchronous training against synchronous, for multi-turn tool rollouts and an external agent, on tasks that learn.
 
-    python -m benchmarks.async_agents                   # both workloads, seeds 1-3 (about 95 minutes)
+    python -m benchmarks.async_agents                   # both workloads, seeds 1-3 (about 2 hours)
     python -m benchmarks.async_agents --workloads openai_agent --seeds 1 --steps 4   # a quick look
     python -m benchmarks.async_agents --merge a/async_agents.json b/async_agents.json   # rounds of two invocations
 
 Two workloads, each a task whose synchronous reward rises within the measured steps:
 
-  multi_turn     the agent quickstart (examples/agent_quickstart.yaml): call ``reveal``, then name the colour it
-                 shows, through vlmrl's own turn loop; the tool waits 0.2-2 s (``benchmarks/slow_agents.py``)
+  multi_turn     the agent quickstart's task (examples/agent_quickstart.yaml) with 2-4 tool turns: after the
+                 model's ``reveal`` call, the tool shows the picture and the model answers, 2-4 times in all (a
+                 long tail), each call waiting 0.2-2 s (``benchmarks/look_again.py``, a workflow class calling the
+                 configured tool ``benchmarks/slow_agents.py:reveal``)
   openai_agent   the OpenAI-SDK demo (examples/openai_agent/config.yaml) as an external agent that makes 2-4
                  calls (a long tail), waiting 0.2-2 s before each (``benchmarks/slow_agents.py:solve``)
 
@@ -54,8 +56,13 @@ RUNS = {
 WORKLOADS = {
     "multi_turn": [
         "config=examples/agent_quickstart.yaml",
+        # The quickstart's task with 2-4 tool turns (benchmarks/look_again.py), each tool call a 0.2-2 s wait.
+        "worker.rollout.multi_turn.enable=false", "worker.rollout.workflow=benchmarks/look_again.py:LookAgain",
         "worker.rollout.multi_turn.tools=[benchmarks/slow_agents.py:reveal]",
         "worker.rollout.multi_turn.tool_processes=0",  # async tools awaited in the worker's loop: waits overlap
+        "worker.reward.reward_function=benchmarks/look_again.py:compute_score",
+        # Model and tool tokens together: up to 4 pictures and 5 answers; a sample run's longest took 164.
+        "data.max_response_length=192",
     ],
     "openai_agent": [
         "config=examples/openai_agent/config.yaml",

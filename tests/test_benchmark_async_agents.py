@@ -76,3 +76,23 @@ def test_waits_are_long_tailed_within_their_bounds_and_agents_make_two_to_four_c
     looks = [extra_looks(rng) for _ in range(20000)]
     for extra, share in ((0, 0.7), (1, 0.2), (2, 0.1)):
         assert looks.count(extra) / len(looks) == pytest.approx(share, abs=0.015)
+
+
+
+def test_the_multi_turn_workload_has_two_to_four_tool_turns_after_a_reveal():
+    import benchmarks.look_again as look_again
+
+    rng = random.Random(0)
+    turns = [look_again.tool_turns(rng) for _ in range(20000)]
+    # 2, 3 or 4 tool turns, with the long tail of the agent's calls (0.7, 0.2, 0.1).
+    for count, share in ((2, 0.7), (3, 0.2), (4, 0.1)):
+        assert turns.count(count) / len(turns) == pytest.approx(share, abs=0.015)
+    assert look_again.calls_reveal("<tool_call>reveal</tool_call>")
+    assert look_again.calls_reveal('<tool_call>\n{"name": "reveal", "arguments": {}}\n</tool_call>')
+    assert not look_again.calls_reveal("red") and not look_again.calls_reveal("<tool_call>look</tool_call>")
+    # An answer without the call scores 0 however right; the last answer is scored once the model called.
+    blind = {"response": "red", "ground_truth": "red", "messages": [{"role": "assistant", "content": "red"}]}
+    assert look_again.compute_score(blind)["overall"] == 0.0
+    seen = {**blind, "messages": [{"role": "assistant", "content": "<tool_call>reveal</tool_call>"}, *blind["messages"]]}
+    assert look_again.compute_score(seen) == {"overall": 1.0, "accuracy": 1.0, "revealed": 1.0}
+    assert look_again.compute_score({**seen, "response": "blue"})["overall"] == 0.0

@@ -196,3 +196,6 @@ def test_a_workflow_calls_a_configured_tool_and_shows_its_picture(parts):
         assert t.turn_rewards == [0.25, 0.0]  # the tool's reward on the turn that called it
         assert len(t.images) == 2  # the row's image, then the tool's card
         assert "picture 0" in json.dumps(t.messages)
+        # Recorded as the multi-turn loop records its calls: the reward function's tool_calls, the tool metrics.
+        assert [(c["name"], c["status"], c["turn"]) for c in t.tool_calls] == [("reveal", "ok", 0)]
+        assert t.tool_calls[0]["seconds"] >= 0

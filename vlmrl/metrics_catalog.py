@@ -155,8 +155,8 @@ _ROLLOUT = (
            "samples exist"),
 )
 
-_LOOP = "worker.rollout.multi_turn"
-_LOOP_TOOLS = "worker.rollout.multi_turn, when a tool was called"
+_LOOP = "worker.rollout.multi_turn, or a workflow class"
+_LOOP_TOOLS = "worker.rollout.multi_turn, or a workflow class, when a tool was called (ctx.call_tool)"
 _TURNS = "multi-turn rollouts and external agents' rows"
 
 _RC = "algorithm.rollout_correction.mode set, or worker.rollout.calculate_log_probs=true without the decoupled loss"

@@ -65,6 +65,9 @@ class Episode:
     """Whether the last model turn ended with its end-of-turn token (a turn cut by max_tokens did not)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Per episode: what its tools keep between calls (``ToolContext.state``)."""
+    calls: list[dict] = field(default_factory=list)
+    """The tool calls ``ctx.call_tool`` ran for this episode, recorded as the multi-turn loop records its own: what
+    the reward function (``tool_calls``) and the ``agent/tool_*`` metrics see."""
 
     @classmethod
     def start(cls, prompt: PromptSample, group_id: int, index: int, image_ids: list[str]) -> Episode:
@@ -209,7 +212,7 @@ class Episode:
             turn_rewards=self.turn_rewards,
             turn_ends=self.turn_ends,
             messages=self.messages,
-            tool_calls=tool_calls or [],
+            tool_calls=self.calls if tool_calls is None else tool_calls,
             stop_reason=self.stop_reason,
             prompt_media=len(p.images) + len(p.videos),
             render_mismatch=render_mismatch,

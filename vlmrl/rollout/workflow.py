@@ -220,14 +220,17 @@ class Context:
     async def call_tool(self, episode: Episode, name: str, arguments: Any) -> CallOutcome:
         """Run a configured tool (``worker.rollout.multi_turn.tools``) as the multi-turn loop runs it: in its
         process or thread, within ``multi_turn.tool_timeout``, with the episode's row, images, turn and state as
-        its context. The outcome's ``status`` says whether it ran; a failure is an outcome, never raised."""
+        its context. The outcome's ``status`` says whether it ran; a failure is an outcome, never raised. The call is
+        recorded on the episode (``Episode.calls``): the reward function gets it as ``tool_calls``."""
         if self.tools is None:
             raise ValueError("ctx.call_tool: no tools are configured; name them in worker.rollout.multi_turn.tools")
+        turn = max(episode.num_turns - 1, 0)
         context = ToolContext(
-            row=episode.row(), images=list(episode.images), turn=max(episode.num_turns - 1, 0), state=episode.state,
-            sample_id=episode.sample_id,
-        )  # fmt: skip
-        return await self.tools.call(name, arguments, context)
+            row=episode.row(), images=list(episode.images), turn=turn, state=episode.state, sample_id=episode.sample_id
+        )
+        outcome = await self.tools.call(name, arguments, context)
+        episode.calls.append({**outcome.record(), "turn": turn})
+        return outcome
 
     def render(self, messages: list[dict], images: list[Any] = (), *, after_turn: bool = True) -> Observation:
         """Chat ``messages`` (images as ``{"type": "image"}`` items, ``images`` in order) as the tokens that follow a
