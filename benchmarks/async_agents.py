@@ -22,6 +22,11 @@ Each workload trains, one run after another in this machine (16 prompts x 8 roll
                        or the agents while the trainer trains, and a step takes the groups that finished first
                        (``consume_order=finished``)
 
+and, named with ``--runs``:
+
+  disaggregated eta=1 loglinear   the same without the decoupled loss's proximal pass on the trainer
+                                  (``worker.actor.proximal_log_probs=loglinear``)
+
 A round runs each of them once, with one seed (``data.seed`` and ``worker.rollout.seed``: the prompts' order
 and the sampling); rounds repeat the whole list with the next seed, so the reward's spread over rounds is
 run-to-run noise (with one seed, the synchronous runs repeat exactly). Reported per kind: the median over
@@ -53,6 +58,10 @@ RUNS = {
         "worker.rollout.async_rl.consume_order=finished",
     ],
 }  # fmt: skip
+# The same, without the decoupled loss's proximal pass: each token's proximal log-prob interpolated between the
+# engine's and the update's own by its version (AReaL's loglinear). Not in the default list.
+RUNS["disaggregated eta=1 loglinear"] = [*RUNS["disaggregated eta=1"], "worker.actor.proximal_log_probs=loglinear"]
+DEFAULT_RUNS = ["sync", "async eta=0", "async eta=1", "disaggregated eta=1"]
 WORKLOADS = {
     "multi_turn": [
         "config=examples/agent_quickstart.yaml",
@@ -148,7 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-metrics", type=Path, help="copy each run's metrics.jsonl under this folder")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine the rounds of these results and stop")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--runs", default=",".join(RUNS), help="a comma-separated subset of the runs, sync first")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"a comma-separated list of runs, sync first; "
+                        f"the runs are {list(RUNS)}")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.merge:
