@@ -7,11 +7,11 @@
   workflow class colocated (each on two training workers), a workflow class on a tensor-parallel rollout server,
   and a slow agent on a rollout server, each at eta = 1. Each run writes the rows each step trained
   (``trainer.rollout_data_dir``): every trained token's version is checked against the bound, row by row.
-* Multi-turn on a server, with a tool that waits 2 s: a push lands between a trajectory's turns, and its tokens
+* Multi-turn on a server, with a tool that waits 1 s: a push lands between a trajectory's turns, and its tokens
   say so (the first turn at the version that sampled it, the second at the next, the tool's at none).
-* Resumed from step 1's checkpoint (multi-turn in both placements, the agent colocated, the workflow class on
-  the server): the resumed run trains each step's prompts as the uninterrupted run did, the checkpoint's admitted
-  but untrained groups generated again and step 1's not repeated, within the bound.
+* Resumed from step 1's checkpoint (multi-turn on the server, the agent colocated): the resumed run trains each
+  step's prompts as the uninterrupted run did, the checkpoint's admitted but untrained groups generated again and
+  step 1's not repeated, within the bound.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
@@ -113,7 +113,7 @@ SMALL = [
 ]  # fmt: skip
 """3 steps of 4 prompts x 4 rollouts, each step saved (to resume from step 1) and its rows written."""
 
-WAIT_S = 2.0
+WAIT_S = 1.0
 SLOW_REVEAL = textwrap.dedent(
     f"""
     import time
@@ -279,8 +279,10 @@ def test_agents_and_workflow_classes_train_under_async_within_the_bound(varying_
 
 # --------------------------------------------------------------------------- resumed after step 1
 
-RESUMED = {"openai_agent", "workflow_class_on_a_server"}
-"""The cells of VARYING resumed; every cell of MULTI_TURN is."""
+RESUMED = {"multi_turn_on_a_server", "openai_agent"}
+"""The cells resumed, for the suite's time: a server's (multi-turn, the slow tool: pushes between turns) and a
+colocated one whose rows vary (the agent). The others keep the same sampler state: a single-turn run is resumed
+colocated (tests/test_async_e2e.py) and on a TP=2 server (tests/test_async_disaggregated.py)."""
 
 
 def trained_rows(directory: Path) -> dict[int, list[dict]]:
@@ -327,17 +329,22 @@ def assert_resume_trains_each_prompt_once(cell: Cell, again: Cell, pending: list
         assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
 
 
+def resumed_or_skip(cell: Cell, name: str, tmp_path_factory):
+    if name not in RESUMED:
+        pytest.skip(f"{name} is not resumed (RESUMED says which cells are, and why)")
+    return resumed(cell, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def multi_turn_resumed(multi_turn_async, tmp_path_factory):
-    return resumed(multi_turn_async, tmp_path_factory)
+    served = any(c == PLACEMENTS["disaggregated"][0] for c in multi_turn_async.command)
+    placement = "on_a_server" if served else "colocated"
+    return resumed_or_skip(multi_turn_async, f"multi_turn_{placement}", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def varying_resumed(varying_rows, tmp_path_factory):
-    if varying_rows.experiment not in RESUMED:
-        pytest.skip("a colocated workflow class resumes as the colocated agent does (the same sampler state); "
-                    "left out for the suite's time")  # fmt: skip
-    return resumed(varying_rows, tmp_path_factory)
+    return resumed_or_skip(varying_rows, varying_rows.experiment, tmp_path_factory)
 
 
 def test_a_resumed_multi_turn_run_trains_each_prompt_once(multi_turn_async, multi_turn_resumed):
