@@ -172,7 +172,7 @@ def multi_turn_async(request, tmp_path_factory):
             (tmp / "slow_reveal.py").write_text(SLOW_REVEAL)
             key = f"worker.rollout.multi_turn.tools=[{tmp / 'slow_reveal.py'}:reveal]"
         command.append(key)
-    cell, stdout = run_cell(tmp, "multi_turn", command)
+    cell, stdout = run_cell(tmp, f"multi_turn_{request.param}", command)
     served = request.param == "on_a_server"
     assert ("rollout servers: 1" in stdout) == served, stdout[-4000:]
     assert f"workers: {2 if served else 1} on cpu" in stdout, stdout[-4000:]
@@ -213,7 +213,7 @@ def test_per_token_versions_across_a_push_at_a_turn_boundary(multi_turn_async):
         assert flat == sorted(flat), turns  # later tokens never come from older weights
         if len(turns) == 2 and len(set(turns[0])) == len(set(turns[1])) == 1 and turns[1][0] == turns[0][0] + 1:
             straddled += 1
-    if not any(c == PLACEMENTS["disaggregated"][0] for c in multi_turn_async.command):
+    if multi_turn_async.experiment == "multi_turn_colocated":
         # Colocated, the engine does not generate while the trainer trains: no trajectory meets a push.
         assert straddled == 0
         return
@@ -329,22 +329,20 @@ def assert_resume_trains_each_prompt_once(cell: Cell, again: Cell, pending: list
         assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
 
 
-def resumed_or_skip(cell: Cell, name: str, tmp_path_factory):
-    if name not in RESUMED:
-        pytest.skip(f"{name} is not resumed (RESUMED says which cells are, and why)")
+def resumed_or_skip(cell: Cell, tmp_path_factory):
+    if cell.experiment not in RESUMED:
+        pytest.skip(f"{cell.experiment} is not resumed (RESUMED says which cells are, and why)")
     return resumed(cell, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def multi_turn_resumed(multi_turn_async, tmp_path_factory):
-    served = any(c == PLACEMENTS["disaggregated"][0] for c in multi_turn_async.command)
-    placement = "on_a_server" if served else "colocated"
-    return resumed_or_skip(multi_turn_async, f"multi_turn_{placement}", tmp_path_factory)
+    return resumed_or_skip(multi_turn_async, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def varying_resumed(varying_rows, tmp_path_factory):
-    return resumed_or_skip(varying_rows, varying_rows.experiment, tmp_path_factory)
+    return resumed_or_skip(varying_rows, tmp_path_factory)
 
 
 def test_a_resumed_multi_turn_run_trains_each_prompt_once(multi_turn_async, multi_turn_resumed):
