@@ -6,6 +6,10 @@ validation conversations are there. A second run starts from a copy of the unint
 step 1 (tests/helpers/resume_point.py: as one killed while saving step 2 would) and trains step 2 again (a step
 after a resync): it must repeat the uninterrupted run's step exactly (same prompts, same samples turn by turn,
 same update). (A save killed part way is tests/test_resume.py's concern.)
+
+A third run is the uninterrupted one under asynchronous training at eta = 0 (``worker.rollout.async_rl``, colocated,
+without validation, which does not change what trains): every step samples its conversations with the weights of
+the step before, so it trains exactly what the synchronous run trains, turn by turn.
 """
 
 from __future__ import annotations
@@ -136,3 +140,35 @@ def test_a_resumed_multi_turn_run_repeats_the_uninterrupted_one(uninterrupted, r
     for e, g in zip(expected, got):
         for key in COMPARED:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+
+
+@pytest.fixture(scope="module")
+def eta0(uninterrupted, tmp_path_factory):
+    """The uninterrupted run's training under async at eta = 0, colocated, each step's trained rows written."""
+    tmp = tmp_path_factory.mktemp("agent_eta0")
+    (tmp / "reward.py").write_text(REWARD)
+    proc = run_command(
+        _command(tmp / "out", tmp, "data.val_files=", "trainer.val_before_train=false",
+                 "worker.rollout.async_rl.enable=true", "worker.rollout.async_rl.max_head_offpolicyness=0",
+                 f"trainer.rollout_data_dir={tmp / 'rows'}"),
+        timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    return tmp
+
+
+def test_multi_turn_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupted, eta0):
+    expected = [m for m in read_metrics(uninterrupted[0] / "out", "agent") if m["step"] > 0 and "actor/pg_loss" in m]
+    got = [m for m in read_metrics(eta0 / "out", "agent") if "actor/pg_loss" in m]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
+        for key in COMPARED:
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+    # Every generated token of every trained conversation, at both turns: sampled by the step's own weights.
+    for step in range(1, STEPS + 1):
+        rows = [json.loads(line) for line in (eta0 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16
+        for row in rows:
+            generated = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
+            assert generated and set(generated) == {step - 1}, (step, row["versions"])

@@ -14,6 +14,8 @@ uninterrupted run of 2 steps, with validation, serves most checks:
   reward in the row.
 
 A second run starts from the uninterrupted run as it stood after step 1: it must repeat the uninterrupted run's steps.
+A third is the uninterrupted run's training under asynchronous training at eta = 0 (colocated, without validation):
+each step's agents call the weights of the step before, so it trains exactly what the synchronous run trains.
 """
 
 from __future__ import annotations
@@ -221,3 +223,34 @@ def test_a_resumed_agent_run_repeats_the_uninterrupted_one(uninterrupted, resume
     for e, g in zip(expected, got):
         for key in COMPARED:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+
+
+@pytest.fixture(scope="module")
+def eta0(uninterrupted, tmp_path_factory):
+    """The uninterrupted run's training under async at eta = 0, colocated, each step's trained rows written."""
+    tmp = tmp_path_factory.mktemp("agent_mode_eta0")
+    _files(tmp)
+    proc = run_command(
+        _command(tmp, "data.val_files=", "trainer.val_before_train=false", "worker.rollout.async_rl.enable=true",
+                 "worker.rollout.async_rl.max_head_offpolicyness=0", f"trainer.rollout_data_dir={tmp / 'rows'}"),
+        timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    return tmp
+
+
+def test_an_agent_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupted, eta0):
+    expected = [m for m in read_metrics(uninterrupted[0] / "out", "agent_mode") if "actor/pg_loss" in m]
+    got = [m for m in read_metrics(eta0 / "out", "agent_mode") if "actor/pg_loss" in m]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
+        for key in COMPARED:
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+    # Every call of every trained row: answered by the step's own weights (the context between calls has none).
+    for step, m in zip(range(1, STEPS + 1), got):
+        rows = [json.loads(line) for line in (eta0 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == m["trace/rows_trained"]
+        for row in rows:
+            generated = [v for v, mask in zip(row["versions"], row["loss_mask"]) if mask]
+            assert generated and set(generated) == {step - 1}, (step, row["versions"])

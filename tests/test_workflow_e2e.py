@@ -2,7 +2,9 @@
 
 One run of 2 steps (4 prompts x 2 samples), validating before training with the generations logged: the
 two-turn conversations (answer, a crop of the image, answer again) are trained, the actor's log-probs agree
-with the engine's, and the validation generations show both turns and the crop.
+with the engine's, and the validation generations show both turns and the crop. A second run is the first's
+training under asynchronous training at eta = 0 (colocated, without validation): it trains exactly what the
+synchronous run trains.
 """
 
 from __future__ import annotations
@@ -17,19 +19,22 @@ from helpers.runs import experiment_dir, read_metrics, run_command, tail
 STEPS = 2
 
 
+def _command(tmp, *extra):
+    return [
+        sys.executable, "-m", "vlmrl.main", "config=examples/workflow.yaml", f"trainer.output_dir={tmp}",
+        f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4",
+        "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=8",
+        "worker.rollout.calculate_log_probs=true", "trainer.logger=[console,file]",
+        "worker.rollout.workflow_kwargs.zoom=3.0", *extra,
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def workflow_run(quickstart_assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workflow")
     val = tmp / "val.parquet"
     pq.write_table(pq.read_table(quickstart_assets.val_file).slice(0, 2), val)
-    command = [
-        sys.executable, "-m", "vlmrl.main", "config=examples/workflow.yaml", f"trainer.output_dir={tmp}",
-        f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4",
-        "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=8",
-        "worker.rollout.calculate_log_probs=true", f"data.val_files={val}", "trainer.val_generations_to_log=2",
-        "trainer.logger=[console,file]", "worker.rollout.workflow_kwargs.zoom=3.0",
-    ]  # fmt: skip
-    proc = run_command(command, timeout=900)
+    proc = run_command(_command(tmp, f"data.val_files={val}", "trainer.val_generations_to_log=2"), timeout=900)
     assert proc.returncode == 0, tail(proc)
     return tmp, proc.stdout + proc.stderr
 
@@ -59,3 +64,37 @@ def test_the_validation_generations_show_both_turns_and_the_crop(workflow_run):
         assert "Answer again" in json.dumps(r["messages"][1])
         trained = sum(r["loss_mask"])
         assert 0 < trained < len(r["response_ids"])  # the crop's message and tokens are context, never trained
+
+
+COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "agent/turns/mean",
+            "trace/rows_trained"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eta0(workflow_run, tmp_path_factory):
+    """The synchronous run's training under async at eta = 0, colocated, each step's trained rows written."""
+    tmp = tmp_path_factory.mktemp("workflow_eta0")
+    proc = run_command(
+        _command(tmp, "data.val_files=", "trainer.val_before_train=false", "worker.rollout.async_rl.enable=true",
+                 "worker.rollout.async_rl.max_head_offpolicyness=0", f"trainer.rollout_data_dir={tmp / 'rows'}"),
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, tail(proc)
+    return tmp
+
+
+def test_a_workflow_class_at_eta_0_trains_what_the_synchronous_run_trains(workflow_run, eta0):
+    expected = [m for m in read_metrics(workflow_run[0], "workflow") if m["step"] > 0 and "actor/pg_loss" in m]
+    got = [m for m in read_metrics(eta0, "workflow") if "actor/pg_loss" in m]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
+        for key in COMPARED:
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+    # Both turns of every trained conversation: sampled by the step's own weights.
+    for step, m in zip(range(1, STEPS + 1), got):
+        rows = [json.loads(line) for line in (eta0 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == m["trace/rows_trained"]
+        for row in rows:
+            generated = [v for v, mask in zip(row["versions"], row["loss_mask"]) if mask]
+            assert generated and set(generated) == {step - 1}, (step, row["versions"])
