@@ -1,6 +1,7 @@
 """The session's fork server (tests/forkserver/vlmrl_forkserver.py): a process it forks is the process its client
 stands for (arguments, directory, environment, streams, exit status, signals), with the costly modules imported, and
-the Ray workers of the runs that join the session's cluster start that way."""
+the Ray workers of the runs that join the session's cluster start that way, as do the processes a forked process
+spawns with ``multiprocessing`` (vLLM's tensor-parallel shards)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,28 @@ time.sleep(120)
 """
 
 
+# A forked process that spawns a child with multiprocessing (as vLLM starts its tensor-parallel shards): the child
+# gets its arguments through spawn's pipe, answers through a queue (the resource tracker's semaphores) and exits 5.
+SPAWNS = """\
+import json, multiprocessing, sys
+
+
+def child(queue, word):
+    queue.put({"torch": "torch" in sys.modules, "word": word})
+    sys.exit(5)
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue, "hello"))
+    process.start()
+    got = queue.get(timeout=60)
+    process.join(60)
+    print(json.dumps({"child": got, "exitcode": process.exitcode}), flush=True)
+"""
+
+
 def _client(script, *args, cwd, env=None, **kwargs) -> subprocess.Popen:
     where = join_env()["VLMRL_FORKSERVER_DIR"]
     return subprocess.Popen(
@@ -55,6 +78,19 @@ def test_a_forked_process_is_the_one_its_client_stands_for_with_torch_already_im
     }  # fmt: skip
     assert report["pid"] != client.pid  # a fork of the server, not the client exec'd
     assert "to stderr" in err
+
+
+def test_a_process_a_forked_one_spawns_is_forked_too(tmp_path):
+    import json
+
+    script = tmp_path / "spawns.py"
+    script.write_text(SPAWNS)
+    client = _client(script, cwd=tmp_path)
+    out, err = client.communicate(timeout=120)
+    assert client.returncode == 0, err
+    # torch already imported (spawned cold, the child has only what its target's module imports), the argument
+    # through spawn's pipe, the answer through the queue and the exit status through the client.
+    assert json.loads(out) == {"child": {"torch": True, "word": "hello"}, "exitcode": 5}, err
 
 
 def test_the_client_passes_signals_on_and_a_dead_client_takes_its_child_along(tmp_path):

@@ -19,6 +19,13 @@ How:
   script as ``python`` would have (``become``). The suite's ``python -m vlmrl.main`` runs that join the cluster
   start the same way (``tests/helpers/runs.py``), so their drivers start with torch imported too. The client stays as the process Ray started: it passes signals on to
   the child and exits as the child did; the server kills a child whose client died.
+- A worker's own Python children that ``multiprocessing`` spawns (vLLM's tensor-parallel shards on a rollout
+  server, which vLLM always spawns inside a Ray actor) start the same way: in a forked child, ``multiprocessing``'s
+  executable is ``SHIM``, a script that runs this file's client. A spawned process finds its pipes by number
+  (spawn's command line, and the pickled connections it is handed), so the client passes on every descriptor it
+  holds and the child holds each at the same number. Where one of those numbers is taken in the child (by a module
+  the server imported), the child starts cold instead (exec), as it does when the server is not single-threaded.
+  Cold, each shard imported torch and vLLM again: about 12 s of a TP=2 server's start on the 2-core machine.
 - The server forks only while it is single-threaded (a fork copies one thread, and the locks the others held); if
   anything it imported started a thread, it starts each worker with exec instead, which is merely slower.
 
@@ -44,7 +51,10 @@ DIR_ENV = "VLMRL_FORKSERVER_DIR"
 """The driver's setting (from tests/helpers/shared_cluster.py): the server's directory, which holds its socket
 (``SOCKET``) and its token (``TOKEN``), readable by this user alone. The workers get the directory on their
 command line, not in their environment, so the token is in no environment a run logs."""
-SOCKET, TOKEN = "socket", "token"
+SOCKET, TOKEN, SHIM = "socket", "token", "python"
+SKIPPED_FLAGS = {"-W": 2, "-X": 2}
+"""Interpreter flags a spawn command may carry (``_args_from_interpreter_flags``) and how many arguments each
+takes; the others take one (``-B``, ``-s``, ``-O``...). The child has them from the server's start instead."""
 
 PRELOAD = (
     "torch",
@@ -107,8 +117,11 @@ def client(where: str, argv: list[str]) -> None:
         conn.connect(os.path.join(where, SOCKET))
     except OSError:  # no server (the session is ending): be the python Ray asked for
         os.execv(sys.executable, [sys.executable, *argv])
-    request = json.dumps({"token": token, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [0, 1, 2])
+    # A process multiprocessing spawned (``-c`` code): every descriptor it was handed, by number.
+    passed = [fd for fd in _open_fds() if fd > 2 and fd != conn.fileno()] if _code(argv) is not None else []
+    request = {"token": token, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": passed}
+    request = json.dumps(request).encode()
+    socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [0, 1, 2, *passed])
     child = _PID.unpack(_read(conn, _PID.size))[0]
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda number, _frame: _forward(child, number))
@@ -121,6 +134,28 @@ def client(where: str, argv: list[str]) -> None:
         signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _code(argv: list[str]) -> str | None:
+    """The ``-c`` code of a ``python`` command line, past its interpreter flags; None for a script or ``-m``."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-c", "-m"):
+        i += SKIPPED_FLAGS.get(argv[i], 1)
+    return argv[i + 1] if i + 1 < len(argv) and argv[i] == "-c" else None
+
+
+def _open_fds() -> list[int]:
+    """This process's open descriptors, in order."""
+    listed = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    return [fd for fd in listed if _is_open(fd)]  # not the listing's own, closed since
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _forward(pid: int, number: int) -> None:
@@ -165,6 +200,10 @@ def serve(where: str) -> tuple[dict, list[int]] | None:
     descriptor = os.open(os.path.join(where, TOKEN), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w") as file:
         file.write(token)
+    shim = os.path.join(where, SHIM)
+    with open(shim, "w") as file:
+        file.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(__file__)}" --connect "{where}" "$@"\n')
+    os.chmod(shim, 0o700)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(where, SOCKET))
     listener.listen(64)
@@ -209,6 +248,7 @@ def serve(where: str) -> tuple[dict, list[int]] | None:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     if not single:
                         _exec(request, fds)
+                    request["shim"] = shim
                     return request, fds
                 for fd in fds:
                     os.close(fd)
@@ -258,35 +298,59 @@ def _reap(clients: dict[int, socket.socket], selector) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    if len(fds) != 3:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 64)
+    try:
+        while len(data) < _HEADER.size:
+            data += _read(conn, _HEADER.size - len(data))
+        (length,) = _HEADER.unpack(data[: _HEADER.size])
+        body = data[_HEADER.size :]
+        if len(body) < length:
+            body += _read(conn, length - len(body))
+        request = json.loads(body)
+        if len(fds) != 3 + len(request.get("fds", [])):
+            raise ValueError("a request carries the three standard streams and the descriptors it names")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError("a request carries the three standard streams")
-    while len(data) < _HEADER.size:
-        data += _read(conn, _HEADER.size - len(data))
-    (length,) = _HEADER.unpack(data[: _HEADER.size])
-    body = data[_HEADER.size :]
-    if len(body) < length:
-        body += _read(conn, length - len(body))
-    return json.loads(body), fds
+        raise
+    return request, fds
 
 
-def _take_on(request: dict, fds: list[int]) -> None:
-    """The child becomes the process its client stands for: its streams, directory and environment."""
+def _take_on(request: dict, fds: list[int]) -> bool:
+    """The child becomes the process its client stands for: its streams, the descriptors it passed on (at the
+    client's numbers), directory and environment. False where one of those numbers was taken here (by a module the
+    server imported): the child then holds the client's descriptor there, and must start afresh (exec)."""
+    import fcntl
+
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
-    for fd in fds:
+    for fd in fds[:3]:
         if fd > 2:
             os.close(fd)
+    numbers = request.get("fds", [])
+    # Out of the way of the numbers they take, first.
+    received = []
+    for fd in fds[3:]:
+        received.append(fcntl.fcntl(fd, fcntl.F_DUPFD, 1024))
+        os.close(fd)
+    taken = {fd for fd in _open_fds() if fd not in received}
+    clear = not taken & set(numbers)
+    for number, fd in zip(numbers, received):
+        os.dup2(fd, number)  # inheritable, as the client's were
+        os.close(fd)
     os.chdir(request["cwd"])
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    return clear
 
 
 def _exec(request: dict, fds: list[int]) -> None:
     _take_on(request, fds)
+    _exec_taken_on(request)
+
+
+def _exec_taken_on(request: dict) -> None:
     os.execv(sys.executable, [sys.executable, *request["argv"]])
 
 
@@ -295,7 +359,8 @@ def become(request: dict, fds: list[int]) -> None:
     import importlib
     import runpy
 
-    _take_on(request, fds)
+    if not _take_on(request, fds):
+        _exec_taken_on(request)
     sys.meta_path.remove(_NoRay)
     for name in _RELOAD:
         if name in sys.modules:
@@ -305,7 +370,14 @@ def become(request: dict, fds: list[int]) -> None:
         sys.modules["torch"].set_num_threads(int(threads))
     # sys.path as python builds it: the script's directory (or the working directory), then PYTHONPATH's entries.
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    if request.get("shim"):  # this worker's spawned children start as forks too
+        import multiprocessing
+
+        multiprocessing.set_executable(request["shim"])
     argv = request["argv"]
+    code = _code(argv)
+    if code is not None:  # past the interpreter flags
+        argv = ["-c", code, *argv[argv.index(code) + 1 :]]
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0:1] = [os.getcwd(), *extra]
