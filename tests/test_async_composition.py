@@ -3,15 +3,17 @@
 
 * Validation: neither composition, nor multi-turn rollouts on rollout servers, is refused any more (a test
   fails if a refusal comes back).
-* Multi-turn rollouts colocated and on a rollout server with two training workers, an external agent and a
-  workflow class colocated (each on two training workers), a workflow class on a tensor-parallel rollout server,
-  and a slow agent on a rollout server, each at eta = 1. Each run writes the rows each step trained
-  (``trainer.rollout_data_dir``): every trained token's version is checked against the bound, row by row.
+* Multi-turn rollouts colocated (two training workers) and on a tensor-parallel rollout server (one), an external
+  agent and a workflow class colocated (each on two training workers), a workflow class on a tensor-parallel
+  rollout server, and a slow agent on a tensor-parallel rollout server, each at eta = 1. Each run writes the rows
+  each step trained (``trainer.rollout_data_dir``): every trained token's version is checked against the bound,
+  row by row.
 * Multi-turn on a server, with a tool that waits 1 s: a push lands between a trajectory's turns, and its tokens
   say so (the first turn at the version that sampled it, the second at the next, the tool's at none).
-* Resumed from step 1's checkpoint (multi-turn on the server, the agent colocated): the resumed run trains each
-  step's prompts as the uninterrupted run did, the checkpoint's admitted but untrained groups generated again and
-  step 1's not repeated, within the bound.
+* Every cell resumed from step 1's checkpoint: the resumed run trains each step's prompts as the uninterrupted run
+  did, the checkpoint's admitted but untrained groups generated again and step 1's not repeated, within the bound.
+  The slow agent's steps take the groups that finish first, so there the check is that no group the checkpoint
+  held is lost (trained, or held by the last checkpoint) and none is trained twice.
 * End to end, eta = 1, one run of both at once on the tiny quickstart per placement (colocated, and one rollout
   server; tests/helpers/async_dapo_remax.py, the disaggregated one shared with tests/test_async_disaggregated.py):
   every trained group's mean reward is inside the filter's bounds, each step still trains its B groups and no
@@ -136,9 +138,10 @@ SLOW_REVEAL = textwrap.dedent(
 )
 
 MULTI_TURN = {
-    "colocated": [],  # one worker
-    # Two training workers; the tool waits WAIT_S s, so that pushes land between a trajectory's turns.
-    "on_a_server": [*PLACEMENTS["disaggregated"], "trainer.n_gpus_per_node=2", "SLOW_REVEAL"],
+    "colocated": ["trainer.n_gpus_per_node=2"],  # two training workers
+    # One training worker, the server's engine sharded over two processes of its own (tensor parallel); the tool
+    # waits WAIT_S s, so that pushes land between a trajectory's turns.
+    "on_a_server": [*PLACEMENTS["disaggregated"], "worker.rollout.tensor_parallel_size=2", "SLOW_REVEAL"],
 }
 
 
@@ -163,8 +166,8 @@ def run_cell(tmp: Path, experiment: str, command: list[str]) -> tuple[Cell, str]
 
 @pytest.fixture(scope="module", params=sorted(MULTI_TURN))
 def multi_turn_async(request, tmp_path_factory):
-    """The agent quickstart (reveal tool, two turns) at eta = 1, colocated on one worker and on one rollout server
-    with two training workers and a slow tool, a small batch."""
+    """The agent quickstart (reveal tool, two turns) at eta = 1, colocated on two training workers and on one
+    tensor-parallel rollout server with one training worker and a slow tool, a small batch."""
     tmp = tmp_path_factory.mktemp(f"async_multi_turn_{request.param}")
     command = [AGENT, "worker.rollout.calculate_log_probs=true"]
     for key in MULTI_TURN[request.param]:
@@ -175,7 +178,8 @@ def multi_turn_async(request, tmp_path_factory):
     cell, stdout = run_cell(tmp, f"multi_turn_{request.param}", command)
     served = request.param == "on_a_server"
     assert ("rollout servers: 1" in stdout) == served, stdout[-4000:]
-    assert f"workers: {2 if served else 1} on cpu" in stdout, stdout[-4000:]
+    assert ("sharded over 2 processes of its own (tensor parallel)" in stdout) == served, stdout[-4000:]
+    assert f"workers: {1 if served else 2} on cpu" in stdout, stdout[-4000:]
     return cell
 
 
@@ -279,12 +283,6 @@ def test_agents_and_workflow_classes_train_under_async_within_the_bound(varying_
 
 # --------------------------------------------------------------------------- resumed after step 1
 
-RESUMED = {"multi_turn_on_a_server", "openai_agent"}
-"""The cells resumed, for the suite's time: a server's (multi-turn, the slow tool: pushes between turns) and a
-colocated one whose rows vary (the agent). The others keep the same sampler state: a single-turn run is resumed
-colocated (tests/test_async_e2e.py) and on a TP=2 server (tests/test_async_disaggregated.py)."""
-
-
 def trained_rows(directory: Path) -> dict[int, list[dict]]:
     """trainer.rollout_data_dir's files: the rows each step trained."""
     return {
@@ -329,20 +327,14 @@ def assert_resume_trains_each_prompt_once(cell: Cell, again: Cell, pending: list
         assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
 
 
-def resumed_or_skip(cell: Cell, tmp_path_factory):
-    if cell.experiment not in RESUMED:
-        pytest.skip(f"{cell.experiment} is not resumed (RESUMED says which cells are, and why)")
-    return resumed(cell, tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def multi_turn_resumed(multi_turn_async, tmp_path_factory):
-    return resumed_or_skip(multi_turn_async, tmp_path_factory)
+    return resumed(multi_turn_async, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def varying_resumed(varying_rows, tmp_path_factory):
-    return resumed_or_skip(varying_rows, tmp_path_factory)
+    return resumed(varying_rows, tmp_path_factory)
 
 
 def test_a_resumed_multi_turn_run_trains_each_prompt_once(multi_turn_async, multi_turn_resumed):
@@ -375,14 +367,15 @@ SLOW_AGENT = textwrap.dedent(
         return reward
     """
 )
-SLOW = 60
+SLOW = 90
 """Seconds a slow rollout sleeps: longer than the whole run takes when no step waits for one."""
 
 
 @pytest.fixture(scope="module")
 def served_agent(tmp_path_factory):
-    """The demo agent on one rollout server at eta = 1, consume_order=finished; rollouts of "red" tasks sleep
-    SLOW s first. Validation runs before training (4 rows, on the server) to see the reported reward in a row."""
+    """The demo agent on one rollout server at eta = 1, its engine sharded over two processes (tensor parallel),
+    consume_order=finished; rollouts of "red" tasks sleep SLOW s first. Validation runs before training (4 rows,
+    on the server) to see the reported reward in a row. Each step is saved and its rows written, to resume."""
     import pyarrow.parquet as pq
 
     from vlmrl.testing.assets import ensure_quickstart_assets
@@ -394,24 +387,29 @@ def served_agent(tmp_path_factory):
     # Four validation rows without a red one, so that validation does not wait for a slow rollout.
     table = pq.read_table(ensure_quickstart_assets().val_file).to_pandas()
     pq.write_table(pa_table(table[table["answer"] != "red"].head(4)), tmp / "val.parquet")
-    start = time.monotonic()
-    proc = run_main(
-        tmp / "out", "config=examples/openai_agent/config.yaml", f"worker.rollout.agent={tmp / 'agent.py'}:solve",
-        ASYNC, *PLACEMENTS["disaggregated"], "worker.rollout.async_rl.consume_order=finished",
+    command = [
+        "config=examples/openai_agent/config.yaml", f"worker.rollout.agent={tmp / 'agent.py'}:solve",
+        ASYNC, *PLACEMENTS["disaggregated"], "worker.rollout.tensor_parallel_size=2",
+        "worker.rollout.async_rl.consume_order=finished",
         f"trainer.max_steps={STEPS}", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4",
         "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=8",
         f"data.val_files={tmp / 'val.parquet'}", "trainer.val_before_train=true", "trainer.val_freq=-1",
-        "trainer.val_generations_to_log=4", "trainer.logger=[console,file]",
-        experiment="agent_server", timeout=900,
-    )  # fmt: skip
+        "trainer.val_generations_to_log=4", "trainer.logger=[console,file]", "trainer.save_freq=1",
+    ]  # fmt: skip
+    start = time.monotonic()
+    proc = run_main(tmp / "out", *command, f"trainer.rollout_data_dir={tmp / 'rows'}", experiment="agent_server",
+                    timeout=900)  # fmt: skip
     seconds = time.monotonic() - start
     assert proc.returncode == 0, tail(proc)
+    assert "sharded over 2 processes of its own (tensor parallel)" in proc.stdout, tail(proc)
     metrics = read_metrics(tmp / "out", "agent_server")
-    return metrics, seconds, experiment_dir(tmp / "out", "agent_server")
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    cell = Cell(steps, trained_rows(tmp / "rows"), tmp, command, "agent_server")
+    return metrics, seconds, experiment_dir(tmp / "out", "agent_server"), cell
 
 
 def test_a_slow_agent_on_a_rollout_server_never_holds_up_a_step(served_agent):
-    metrics, seconds, _ = served_agent
+    metrics, seconds, _, _ = served_agent
     steps = [m for m in metrics if "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     # The steps took the groups that finished: the run was over before a slow rollout could have finished,
@@ -427,6 +425,35 @@ def test_a_slow_agent_on_a_rollout_server_never_holds_up_a_step(served_agent):
 
 
 def test_a_reward_an_agent_reports_on_a_rollout_server_reaches_its_turn(served_agent):
-    _, _, run_dir = served_agent
+    _, _, run_dir, _ = served_agent
     rows = [json.loads(line) for f in sorted((run_dir / "generations").iterdir()) for line in f.read_text().splitlines()]
     assert rows and all(r["turn_rewards"][0] == 0.5 for r in rows), [r.get("turn_rewards") for r in rows]
+
+
+@pytest.fixture(scope="module")
+def served_agent_resumed(served_agent, tmp_path_factory):
+    return resumed(served_agent[3], tmp_path_factory)
+
+
+def test_a_resumed_slow_agent_run_loses_no_prompt_and_trains_none_twice(served_agent, served_agent_resumed):
+    """consume_order=finished: which admitted groups a step takes depends on which finish first, so the resumed run
+    need not take the uninterrupted run's. But every group the checkpoint held admitted and untrained is generated
+    again and either trained or, still running at the end, held by the last checkpoint; none is trained twice."""
+    cell = served_agent[3]
+    again, pending, log = served_agent_resumed
+    assert "resumed from" in log and "global_step_1" in log
+    assert sorted(again.rows) == list(range(2, STEPS + 1))
+    first = {r["row"] for r in cell.rows[1]}
+    later = [sorted({r["row"] for r in again.rows[step]}) for step in range(2, STEPS + 1)]
+    assert len(first) == 4 and all(len(p) == 4 for p in later)  # each step its 4 groups
+    trained = [*first, *(row for p in later for row in p)]
+    assert len(trained) == len(set(trained)), "a prompt trained twice"
+    run_dir = experiment_dir(again.tmp / "out", again.experiment)
+    last = load_trainer_state(run_dir / "checkpoints" / f"global_step_{STEPS}")
+    final = {int(row) for row, _ in last["sampler"]["pending"]}
+    assert len(pending) >= 4 and not set(pending) & first
+    assert set(pending) <= set(trained) | final, "a group the checkpoint held was lost"
+    for m in again.steps:
+        assert m["async/lag/max"] <= 1 and m["async/stale_accepted"] == 0, m["step"]
+    for step, rows in again.rows.items():
+        assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
