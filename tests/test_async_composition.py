@@ -279,6 +279,15 @@ def test_agents_and_workflow_classes_train_under_async_within_the_bound(varying_
     for step, rows in varying_rows.rows.items():
         assert len(rows) == steps[step - 1]["trace/rows_trained"]
         assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
+        assert_later_tokens_never_older(rows)
+
+
+def assert_later_tokens_never_older(rows: list[dict]) -> None:
+    """Along each row, a call (a turn) that came later was answered by the same weights or newer ones: a push
+    between two calls moves the later one's tokens to the next version, never back."""
+    for row in rows:
+        generated = [v for v in row["versions"] if v >= 0]
+        assert generated and generated == sorted(generated), row["versions"]
 
 
 # --------------------------------------------------------------------------- resumed after step 1
@@ -422,6 +431,10 @@ def test_a_slow_agent_on_a_rollout_server_never_holds_up_a_step(served_agent):
     # Groups admitted earlier were still generating when the last step ended: carried over, never waited for.
     assert steps[-1]["async/lag/in_flight_max"] >= 1
     assert steps[-1]["async/carried_over"] >= 1
+    # Every trained token within the bound, and each rollout's later call never answered by older weights.
+    for step, rows in served_agent[3].rows.items():
+        assert all(step - 2 <= v <= step - 1 for r in rows for v in r["versions"] if v >= 0), step
+        assert_later_tokens_never_older(rows)
 
 
 def test_a_reward_an_agent_reports_on_a_rollout_server_reaches_its_turn(served_agent):
