@@ -28,6 +28,7 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
+from helpers.eta0 import assert_trains_what_sync_trains, eta0_overrides
 from helpers.runs import REPO, experiment_dir, read_metrics, run_command, tail
 from helpers.resume_point import resume_point
 from transformers import AutoTokenizer
@@ -230,27 +231,13 @@ def eta0(uninterrupted, tmp_path_factory):
     """The uninterrupted run's training under async at eta = 0, colocated, each step's trained rows written."""
     tmp = tmp_path_factory.mktemp("agent_mode_eta0")
     _files(tmp)
-    proc = run_command(
-        _command(tmp, "data.val_files=", "trainer.val_before_train=false", "worker.rollout.async_rl.enable=true",
-                 "worker.rollout.async_rl.max_head_offpolicyness=0", f"trainer.rollout_data_dir={tmp / 'rows'}"),
-        timeout=1200,
-    )  # fmt: skip
+    proc = run_command(_command(tmp, *eta0_overrides(tmp / "rows")), timeout=1200)
     assert proc.returncode == 0, tail(proc)
     return tmp
 
 
 def test_an_agent_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupted, eta0):
-    expected = [m for m in read_metrics(uninterrupted[0] / "out", "agent_mode") if "actor/pg_loss" in m]
+    sync = [m for m in read_metrics(uninterrupted[0] / "out", "agent_mode") if "actor/pg_loss" in m]
     got = [m for m in read_metrics(eta0 / "out", "agent_mode") if "actor/pg_loss" in m]
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-    for e, g in zip(expected, got):
-        assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
-        for key in COMPARED:
-            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
-    # Every call of every trained row: answered by the step's own weights (the context between calls has none).
-    for step, m in zip(range(1, STEPS + 1), got):
-        rows = [json.loads(line) for line in (eta0 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
-        assert len(rows) == m["trace/rows_trained"]
-        for row in rows:
-            generated = [v for v, mask in zip(row["versions"], row["loss_mask"]) if mask]
-            assert generated and set(generated) == {step - 1}, (step, row["versions"])
+    # Every call of every trained row answered by the step's own weights (the context between calls has none).
+    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import pyarrow.parquet as pq
+from helpers.eta0 import assert_trains_what_sync_trains, eta0_overrides
 from helpers.runs import experiment_dir, read_metrics, run_command, tail
 
 STEPS = 2
@@ -74,27 +75,13 @@ COMPARED = ["reward/overall", "response_length/mean", "actor/pg_loss", "actor/gr
 def eta0(workflow_run, tmp_path_factory):
     """The synchronous run's training under async at eta = 0, colocated, each step's trained rows written."""
     tmp = tmp_path_factory.mktemp("workflow_eta0")
-    proc = run_command(
-        _command(tmp, "data.val_files=", "trainer.val_before_train=false", "worker.rollout.async_rl.enable=true",
-                 "worker.rollout.async_rl.max_head_offpolicyness=0", f"trainer.rollout_data_dir={tmp / 'rows'}"),
-        timeout=900,
-    )  # fmt: skip
+    proc = run_command(_command(tmp, *eta0_overrides(tmp / "rows")), timeout=900)
     assert proc.returncode == 0, tail(proc)
     return tmp
 
 
 def test_a_workflow_class_at_eta_0_trains_what_the_synchronous_run_trains(workflow_run, eta0):
-    expected = [m for m in read_metrics(workflow_run[0], "workflow") if m["step"] > 0 and "actor/pg_loss" in m]
+    sync = [m for m in read_metrics(workflow_run[0], "workflow") if m["step"] > 0 and "actor/pg_loss" in m]
     got = [m for m in read_metrics(eta0, "workflow") if "actor/pg_loss" in m]
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-    for e, g in zip(expected, got):
-        assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
-        for key in COMPARED:
-            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
-    # Both turns of every trained conversation: sampled by the step's own weights.
-    for step, m in zip(range(1, STEPS + 1), got):
-        rows = [json.loads(line) for line in (eta0 / "rows" / f"step_{step}.jsonl").read_text().splitlines()]
-        assert len(rows) == m["trace/rows_trained"]
-        for row in rows:
-            generated = [v for v, mask in zip(row["versions"], row["loss_mask"]) if mask]
-            assert generated and set(generated) == {step - 1}, (step, row["versions"])
+    # Both turns of every trained conversation sampled by the step's own weights.
+    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)
