@@ -328,10 +328,11 @@ def _take_on(request: dict, fds: list[int]) -> bool:
         if fd > 2:
             os.close(fd)
     numbers = request.get("fds", [])
-    # Out of the way of the numbers they take, first.
+    # Out of the way of the numbers they take, first: above the highest of them.
+    above = max(numbers, default=2) + 1
     received = []
     for fd in fds[3:]:
-        received.append(fcntl.fcntl(fd, fcntl.F_DUPFD, 1024))
+        received.append(fcntl.fcntl(fd, fcntl.F_DUPFD, above))
         os.close(fd)
     taken = {fd for fd in _open_fds() if fd not in received}
     clear = not taken & set(numbers)
