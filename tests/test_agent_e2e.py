@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 import pyarrow.parquet as pq
-from helpers.eta0 import assert_trains_what_sync_trains, eta0_overrides
+from helpers.eta0 import assert_a_resume_repeats_it, assert_trains_what_sync_trains, eta0_overrides
 from helpers.resume_point import resume_point
 from helpers.runs import experiment_dir, read_metrics, run_command, tail
 
@@ -158,3 +158,9 @@ def test_multi_turn_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupte
     got = [m for m in read_metrics(eta0 / "out", "agent") if "actor/pg_loss" in m]
     # Both turns of every trained conversation sampled by the step's own weights; 4 prompts x 4 a step.
     assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED, rows_per_step=16)
+
+
+def test_multi_turn_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):
+    copy = experiment_dir(tmp_path / "out", "agent")
+    command = _command(tmp_path / "out", eta0, *eta0_overrides(tmp_path / "rows"))  # eta0's reward settings
+    assert_a_resume_repeats_it(experiment_dir(eta0 / "out", "agent"), copy, command, COMPARED)

@@ -28,7 +28,7 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
-from helpers.eta0 import assert_trains_what_sync_trains, eta0_overrides
+from helpers.eta0 import assert_a_resume_repeats_it, assert_trains_what_sync_trains, eta0_overrides
 from helpers.runs import REPO, experiment_dir, read_metrics, run_command, tail
 from helpers.resume_point import resume_point
 from transformers import AutoTokenizer
@@ -241,3 +241,9 @@ def test_an_agent_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupted,
     got = [m for m in read_metrics(eta0 / "out", "agent_mode") if "actor/pg_loss" in m]
     # Every call of every trained row answered by the step's own weights (the context between calls has none).
     assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)
+
+
+def test_an_agent_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):
+    copy = experiment_dir(tmp_path / "out", "agent_mode")
+    command = _command(eta0, *eta0_overrides(tmp_path / "rows"), out=tmp_path / "out")  # eta0's agent and reward
+    assert_a_resume_repeats_it(experiment_dir(eta0 / "out", "agent_mode"), copy, command, COMPARED)

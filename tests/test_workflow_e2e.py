@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import pyarrow.parquet as pq
-from helpers.eta0 import assert_trains_what_sync_trains, eta0_overrides
+from helpers.eta0 import assert_a_resume_repeats_it, assert_trains_what_sync_trains, eta0_overrides
 from helpers.runs import experiment_dir, read_metrics, run_command, tail
 
 STEPS = 2
@@ -85,3 +85,9 @@ def test_a_workflow_class_at_eta_0_trains_what_the_synchronous_run_trains(workfl
     got = [m for m in read_metrics(eta0, "workflow") if "actor/pg_loss" in m]
     # Both turns of every trained conversation sampled by the step's own weights.
     assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)
+
+
+def test_a_workflow_class_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):
+    copy = experiment_dir(tmp_path, "workflow")
+    command = _command(tmp_path, *eta0_overrides(tmp_path / "rows"))
+    assert_a_resume_repeats_it(experiment_dir(eta0, "workflow"), copy, command, COMPARED)
