@@ -9,7 +9,8 @@ same update). (A save killed part way is tests/test_resume.py's concern.)
 
 A third run is the uninterrupted one under asynchronous training at eta = 0 (``worker.rollout.async_rl``, colocated,
 without validation, which does not change what trains): every step samples its conversations with the weights of
-the step before, so it trains exactly what the synchronous run trains, turn by turn.
+the step before, so it trains exactly what the synchronous run trains, turn by turn; started again from its
+step-1 checkpoint, it trains step 2 as it did.
 """
 
 from __future__ import annotations

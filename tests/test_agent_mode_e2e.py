@@ -15,7 +15,8 @@ uninterrupted run of 2 steps, with validation, serves most checks:
 
 A second run starts from the uninterrupted run as it stood after step 1: it must repeat the uninterrupted run's steps.
 A third is the uninterrupted run's training under asynchronous training at eta = 0 (colocated, without validation):
-each step's agents call the weights of the step before, so it trains exactly what the synchronous run trains.
+each step's agents call the weights of the step before, so it trains exactly what the synchronous run trains;
+started again from its step-1 checkpoint, it trains step 2 as it did.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One run of 2 steps (4 prompts x 2 samples), validating before training with the 
 two-turn conversations (answer, a crop of the image, answer again) are trained, the actor's log-probs agree
 with the engine's, and the validation generations show both turns and the crop. A second run is the first's
 training under asynchronous training at eta = 0 (colocated, without validation): it trains exactly what the
-synchronous run trains.
+synchronous run trains; started again from its step-1 checkpoint, it trains step 2 as it did.
 """
 
 from __future__ import annotations
