@@ -50,11 +50,14 @@ def assert_a_resume_repeats_it(run_dir: Path, copy_dir: Path, command: list[str]
     assert proc.returncode == 0, tail(proc)
     log = proc.stdout + proc.stderr
     assert "resumed from" in log and "global_step_1" in log
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    expected = [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
-    got = [m for m in map(json.loads, (copy_dir / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in m]
+    expected, got = _trained_steps(run_dir), _trained_steps(copy_dir)
     assert [m["step"] for m in got] == [m["step"] for m in expected]
     for e, g in zip(expected[1:], got[1:]):
         assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
         for key in compared:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (e["step"], key)
+
+
+def _trained_steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "actor/pg_loss" in m]
