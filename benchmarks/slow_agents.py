@@ -17,14 +17,22 @@ True
 from __future__ import annotations
 
 import asyncio
-import base64
+import importlib.util
 import io
 import random
+from pathlib import Path
 
 import openai
 from PIL import Image
 
 from vlmrl.api import ToolResult, tool
+
+# The demo agent, for its picture encoding and its shared HTTP client.
+_spec = importlib.util.spec_from_file_location(
+    "openai_agent_demo", Path(__file__).parents[1] / "examples" / "openai_agent" / "agent.py"
+)
+demo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(demo)
 
 FOLLOW_UP = "Answer with one word: red, green, blue or yellow."
 LOOK_AGAIN = "Look again."
@@ -51,12 +59,6 @@ async def reveal(context) -> ToolResult:
     return ToolResult(text="the picture", images=[image])
 
 
-def _data_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 async def solve(task, llm):
     """The demo agent (look, then answer), with 0-2 more looks between and a wait before every call.
 
@@ -64,14 +66,17 @@ async def solve(task, llm):
     row (``algorithm.trace_aggregation=trajectory``), as the demo's two do.
     """
     question = task["prompt"].replace("<image>", "").strip()
-    pictures = [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in task["images"]]
+    pictures = [{"type": "image_url", "image_url": {"url": demo.data_url(image)}} for image in task["images"]]
     messages = [{"role": "user", "content": [*pictures, {"type": "text", "text": question}]}]
     follow_ups = [LOOK_AGAIN] * extra_looks(_rng) + [FOLLOW_UP]
-    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0) as client:
-        for call in range(len(follow_ups) + 1):
-            await asyncio.sleep(wait_s(_rng))
-            reply = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=MAX_TOKENS)
-            if call < len(follow_ups):
-                content = reply.choices[0].message.content  # as it came: the prompt stays append-only
-                messages += [{"role": "assistant", "content": content}, {"role": "user", "content": follow_ups[call]}]
+    # One HTTP client for every rollout (the demo's http_client), never closed.
+    client = openai.AsyncOpenAI(
+        base_url=llm.base_url, api_key=llm.api_key, max_retries=0, http_client=demo.http_client()
+    )
+    for call in range(len(follow_ups) + 1):
+        await asyncio.sleep(wait_s(_rng))
+        reply = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=MAX_TOKENS)
+        if call < len(follow_ups):
+            content = reply.choices[0].message.content  # as it came: the prompt stays append-only
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": follow_ups[call]}]
     return None  # the run's reward function scores the last reply

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 from pathlib import Path
 
 import pandas as pd
@@ -51,6 +52,34 @@ def test_the_agent_uses_openai_alone_and_the_config_names_it(config):
     quickstart = OmegaConf.load(ROOT / "examples" / "quickstart.yaml")
     for key in ("data.train_files", "data.val_files", "worker.actor.model.model_path", "worker.reward.reward_function"):
         assert OmegaConf.select(config, key) == OmegaConf.select(quickstart, key), key
+
+
+def test_every_rollout_client_shares_its_event_loops_http_client(monkeypatch):
+    """An ``AsyncOpenAI`` made without ``http_client`` builds an HTTP client and an SSL context of its own, about
+    30 ms of CPU a rollout on the engine's machine (docs/performance.md): the demo passes one per event loop."""
+    agent = load_agent(f"{AGENT}:solve").fn.__globals__
+    made = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(**kwargs):
+        made.append(kwargs["http_client"])
+        raise Recorded  # enough: the client solve would use
+
+    monkeypatch.setattr(agent["openai"], "AsyncOpenAI", record)
+    task = {"prompt": "<image>What colour?", "images": []}
+    llm = type("LLM", (), {"base_url": "http://127.0.0.1:9/v1", "api_key": "k", "model": "m"})
+
+    async def two_rollouts():
+        for _ in range(2):
+            with pytest.raises(Recorded):
+                await agent["solve"](task, llm)
+
+    asyncio.run(two_rollouts())
+    asyncio.run(two_rollouts())
+    assert made[0] is made[1] and made[2] is made[3], "rollouts in one loop built HTTP clients of their own"
+    assert made[0] is not made[2], "a client was shared across event loops (its connections belong to one loop)"
 
 
 def test_the_agent_makes_two_append_only_calls_with_the_picture_on_the_tiny_engine(config, quickstart_assets):
