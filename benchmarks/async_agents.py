@@ -26,6 +26,7 @@ and, named with ``--runs``:
 
   disaggregated eta=1 loglinear   the same without the decoupled loss's proximal pass on the trainer
                                   (``worker.actor.proximal_log_probs=loglinear``)
+  disaggregated eta=0             the rollout server at eta=0: the synchronous schedule in that placement
 
 A round runs each of them once, with one seed (``data.seed`` and ``worker.rollout.seed``: the prompts' order
 and the sampling); rounds repeat the whole list with the next seed, so the reward's spread over rounds is
@@ -61,6 +62,12 @@ RUNS = {
 # The same, without the decoupled loss's proximal pass: each token's proximal log-prob interpolated between the
 # engine's and the update's own by its version (AReaL's loglinear). Not in the default list.
 RUNS["disaggregated eta=1 loglinear"] = [*RUNS["disaggregated eta=1"], "worker.actor.proximal_log_probs=loglinear"]
+# The rollout server at eta = 0: the synchronous schedule in that placement, to tell what the placement costs
+# learning from what one update of staleness does. Not in the default list.
+RUNS["disaggregated eta=0"] = [
+    *(k for k in RUNS["disaggregated eta=1"] if "max_head_offpolicyness" not in k),
+    "worker.rollout.async_rl.max_head_offpolicyness=0",
+]
 DEFAULT_RUNS = ["sync", "async eta=0", "async eta=1", "disaggregated eta=1"]
 WORKLOADS = {
     "multi_turn": [
