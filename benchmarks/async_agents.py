@@ -98,13 +98,14 @@ PROMPTS, N = 16, 8
 """Both workloads' configs: data.rollout_batch_size and worker.rollout.n."""
 
 
-def command(out: Path, workload: str, name: str, steps: int, seed: int) -> list[str]:
+def command(out: Path, workload: str, name: str, steps: int, seed: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The run's ``vlmrl.main`` command; ``extra`` overrides come last, so they win over the run's own."""
     return [
         sys.executable, "-m", "vlmrl.main", *WORKLOADS[workload], f"data.seed={seed}", f"worker.rollout.seed={seed}",
         f"trainer.output_dir={out}", f"trainer.experiment_name={experiment(name)}", f"trainer.max_steps={steps}",
         "data.val_files=", "trainer.val_before_train=false", "trainer.logger=[file]", "trainer.save_freq=-1",
         "trainer.save_hf_weights=false", "worker.rollout.calculate_log_probs=true",
-        *RUNS[name],
+        *RUNS[name], *extra,
     ]  # fmt: skip
 
 
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"a comma-separated list of runs, sync first; "
                         f"the runs are {list(RUNS)}")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run of the invocation, sync's included (repeatable)")
     args = parser.parse_args(argv)
     if args.merge:
         return write(merge([json.loads(p.read_text()) for p in args.merge]), args.out)
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
             for name in names:
                 print(f"== {workload}, seed {seed}: {name}", flush=True)
                 with tempfile.TemporaryDirectory(prefix="vlmrl-async-agents-") as tmp:
-                    cmd = command(Path(tmp), workload, name, steps, seed)
+                    cmd = command(Path(tmp), workload, name, steps, seed, tuple(args.set))
                     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
                     if proc.returncode != 0:
                         print(proc.stdout[-3000:], proc.stderr[-5000:], sep="\n")

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from benchmarks.async_agents import combine, merge, summarise
+from benchmarks.async_agents import RUNS, combine, command, merge, summarise
 from benchmarks.slow_agents import extra_looks, wait_s
 
 
@@ -96,3 +96,13 @@ def test_the_multi_turn_workload_has_two_to_four_tool_turns_after_a_reveal():
     seen = {**blind, "messages": [{"role": "assistant", "content": "<tool_call>reveal</tool_call>"}, *blind["messages"]]}
     assert look_again.compute_score(seen) == {"overall": 1.0, "accuracy": 1.0, "revealed": 1.0}
     assert look_again.compute_score({**seen, "response": "blue"})["overall"] == 0.0
+
+
+def test_an_override_set_for_the_invocation_reaches_every_run_and_wins_over_the_runs_own(tmp_path):
+    lr = "worker.actor.optim.lr=5e-4"
+    for name in RUNS:
+        cmd = command(tmp_path, "openai_agent", name, 4, 1, (lr, "worker.rollout.async_rl.consume_order=admitted"))
+        assert lr in cmd, name
+        # vlmrl.main takes the last of two settings of a key: the invocation's must come after the run's.
+        order = [i for i, a in enumerate(cmd) if a.startswith("worker.rollout.async_rl.consume_order=")]
+        assert cmd[order[-1]] == "worker.rollout.async_rl.consume_order=admitted", name
