@@ -158,7 +158,7 @@ def test_multi_turn_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupte
     sync = [m for m in read_metrics(uninterrupted[0] / "out", "agent") if m["step"] > 0 and "actor/pg_loss" in m]
     got = [m for m in read_metrics(eta0 / "out", "agent") if "actor/pg_loss" in m]
     # Both turns of every trained conversation sampled by the step's own weights; 4 prompts x 4 a step.
-    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED, rows_per_step=16)
+    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED, STEPS, rows_per_step=16)
 
 
 def test_multi_turn_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):

@@ -241,7 +241,7 @@ def test_an_agent_at_eta_0_trains_what_the_synchronous_run_trains(uninterrupted,
     sync = [m for m in read_metrics(uninterrupted[0] / "out", "agent_mode") if "actor/pg_loss" in m]
     got = [m for m in read_metrics(eta0 / "out", "agent_mode") if "actor/pg_loss" in m]
     # Every call of every trained row answered by the step's own weights (the context between calls has none).
-    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)
+    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED, STEPS)
 
 
 def test_an_agent_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):

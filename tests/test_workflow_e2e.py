@@ -84,7 +84,7 @@ def test_a_workflow_class_at_eta_0_trains_what_the_synchronous_run_trains(workfl
     sync = [m for m in read_metrics(workflow_run[0], "workflow") if m["step"] > 0 and "actor/pg_loss" in m]
     got = [m for m in read_metrics(eta0, "workflow") if "actor/pg_loss" in m]
     # Both turns of every trained conversation sampled by the step's own weights.
-    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED)
+    assert_trains_what_sync_trains(sync, got, eta0 / "rows", COMPARED, STEPS)
 
 
 def test_a_workflow_class_at_eta_0_resumed_repeats_its_run(eta0, tmp_path):

@@ -20,13 +20,13 @@ def eta0_overrides(rows: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def assert_trains_what_sync_trains(sync: list[dict], got: list[dict], rows: Path, compared: list[str],
+def assert_trains_what_sync_trains(sync: list[dict], got: list[dict], rows: Path, compared: list[str], steps: int,
                                    rows_per_step: int | None = None) -> None:  # fmt: skip
-    """``got``, the eta = 0 run's trained steps, are ``sync``'s: nothing carried over, the ``compared`` metrics
-    step by step, and every generated token of every row it wrote to ``rows`` (``trainer.rollout_data_dir``)
-    sampled by the step's own weights (version step - 1). ``rows_per_step``: the rows each step trained, where
-    the step does not log it (``trace/rows_trained``)."""
-    assert [m["step"] for m in got] == [m["step"] for m in sync] == list(range(1, len(sync) + 1))
+    """``got``, the eta = 0 run's trained steps, are ``sync``'s, both ``steps`` long: nothing carried over, the
+    ``compared`` metrics step by step, and every generated token of every row it wrote to ``rows``
+    (``trainer.rollout_data_dir``) sampled by the step's own weights (version step - 1). ``rows_per_step``: the
+    rows each step trained, where the step does not log it (``trace/rows_trained``)."""
+    assert [m["step"] for m in got] == [m["step"] for m in sync] == list(range(1, steps + 1))
     for s, g in zip(sync, got):
         assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
         for key in compared:
@@ -51,6 +51,7 @@ def assert_a_resume_repeats_it(run_dir: Path, copy_dir: Path, command: list[str]
     log = proc.stdout + proc.stderr
     assert "resumed from" in log and "global_step_1" in log
     expected, got = _trained_steps(run_dir), _trained_steps(copy_dir)
+    assert len(expected) > 1, "the run trained no step after the resume point"
     assert [m["step"] for m in got] == [m["step"] for m in expected]
     for e, g in zip(expected[1:], got[1:]):
         assert g["async/lag/max"] == 0 and g["async/carried_over"] == 0, g["step"]
